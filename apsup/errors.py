@@ -1,0 +1,41 @@
+"""Typed errors. One root so callers can catch everything apsup raises on purpose.
+
+Each message says what to change; driver errors are wrapped with ``raise ... from exc``.
+"""
+
+from __future__ import annotations
+
+
+class ApsupError(Exception):
+    """An apsup error."""
+
+
+class ConfigError(ApsupError, ValueError):
+    """Startup configuration is invalid; the message names the family/variable and the fix."""
+
+
+class StaleTermError(ApsupError):
+    """The leadership term that dispatched this work is no longer valid; nothing was committed."""
+
+
+class ProgressConflict(ApsupError):
+    """Raised by a processor when its own progress/Head CAS lost a race.
+
+    The Supervisor redispatches after a short fixed delay without counting a failure (RFC §7).
+    """
+
+
+class ContextError(ApsupError, ValueError):
+    """A serialized ExecutionContext is malformed or of an unknown version."""
+
+
+class IntentError(ApsupError, ValueError):
+    """An intent operation violates the generation rules (e.g. acknowledging above requested)."""
+
+
+class BackendError(ApsupError):
+    """The database backend failed in a way that is not a term loss (retries exhausted, ...)."""
+
+
+class HostConflictError(ApsupError):
+    """Another host already runs on this SQLite database (multi-process SQLite is unsupported)."""
