@@ -1,0 +1,62 @@
+"""Persistence: schema, intents, scan state, leases, and one module per backend."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sqlalchemy.engine import make_url
+
+from apsup.errors import ConfigError
+from apsup.store.base import SqlBackend, redact_url
+from apsup.store.leases import Backend, Term
+
+__all__ = ["Backend", "SqlBackend", "Term", "backend_kind", "migrate", "open_backend", "redact_url"]
+
+
+def backend_kind(url: str) -> str:
+    try:
+        name = make_url(url).get_backend_name()
+    except Exception as exc:
+        raise ConfigError(
+            f"database URL {redact_url(url)!r} is not a valid SQLAlchemy URL "
+            "(e.g. sqlite:////var/lib/apsup/apsup.db or mysql+pymysql://user@host:2881/db)"
+        ) from exc
+    if name == "sqlite":
+        return "sqlite"
+    if name in {"mysql", "mariadb"}:
+        return "mysql"
+    raise ConfigError(f"unsupported database backend {name!r}: use sqlite or mysql (OceanBase)")
+
+
+def open_backend(url: str) -> SqlBackend:
+    """The backend for ``url`` (schema must exist: see ``migrate``)."""
+    kind = backend_kind(url)
+    if kind == "sqlite":
+        from apsup.store.sqlite import SqliteBackend
+
+        return SqliteBackend(url)
+    from apsup.store.mysql import MysqlBackend
+
+    return MysqlBackend(url)
+
+
+def migrations_dir() -> Path:
+    import apsup.migrations
+
+    return Path(apsup.migrations.__file__).resolve().parent
+
+
+def migrate(url: str, revision: str = "head") -> None:
+    """Run Alembic ``upgrade`` to ``revision`` on ``url``."""
+    from alembic import command
+    from alembic.config import Config
+
+    backend = open_backend(url)
+    try:
+        cfg = Config()
+        cfg.set_main_option("script_location", str(migrations_dir()))
+        with backend.engine.begin() as conn:
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, revision)
+    finally:
+        backend.dispose()

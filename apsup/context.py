@@ -1,0 +1,179 @@
+"""ExecutionContext: the only input a Worker receives (RFC §1, §6).
+
+It crosses the process boundary as orjson bytes with a version field, never as pickle. The
+child rebuilds its own database engine from ``database_url``; ``fenced()`` gives the processor a
+transaction in which the dispatching term was locked and validated, so an acknowledgment or any
+business write commits only while that term is still the valid one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import orjson
+from sqlalchemy import Connection
+
+from apsup.errors import ContextError, StaleTermError
+from apsup.store import SqlBackend, open_backend, redact_url
+from apsup.store import intents as _intents
+from apsup.store.leases import Term
+
+CONTEXT_VERSION = 1
+
+_BACKENDS: dict[str, SqlBackend] = {}
+
+
+def backend_for(url: str) -> SqlBackend:
+    """One backend (engine + pool) per database URL per process."""
+    backend = _BACKENDS.get(url)
+    if backend is None:
+        backend = _BACKENDS[url] = open_backend(url)
+    return backend
+
+
+def dispose_backends() -> None:
+    for backend in _BACKENDS.values():
+        backend.dispose()
+    _BACKENDS.clear()
+
+
+_TYPES: dict[str, type | tuple[type, ...]] = {
+    "binding_name": str,
+    "artifact_family": str,
+    "scope_id": str,
+    "claimed_request_generation": int,
+    "supervisor_key": str,
+    "holder_id": str,
+    "supervisor_generation": int,
+    "worker_id": str,
+    "pending_sequence": int,
+    "entry_point": str,
+    "database_url": str,
+    "settings": dict,
+}
+
+
+@dataclass(eq=False)
+class ExecutionContext:
+    """Correlation and commit-validation data for one Scope invocation; selects no input."""
+
+    binding_name: str
+    artifact_family: str
+    scope_id: str
+    claimed_request_generation: int
+    supervisor_key: str
+    holder_id: str
+    supervisor_generation: int
+    worker_id: str
+    pending_sequence: int
+    entry_point: str
+    database_url: str = field(repr=False)
+    settings: dict[str, str] = field(default_factory=dict, repr=False)
+    _ack_pending: Connection | None = field(default=None, repr=False, init=False)
+    _acknowledged: bool = field(default=False, repr=False, init=False)
+
+    # -- serialisation ------------------------------------------------------------------------
+    def to_bytes(self) -> bytes:
+        data: dict[str, Any] = {"v": CONTEXT_VERSION}
+        for name in _TYPES:
+            data[name] = getattr(self, name)
+        return orjson.dumps(data)
+
+    @classmethod
+    def from_bytes(cls, payload: bytes) -> ExecutionContext:
+        try:
+            data = orjson.loads(payload)
+        except orjson.JSONDecodeError as exc:
+            raise ContextError("execution context is not valid JSON") from exc
+        if not isinstance(data, dict):
+            raise ContextError("execution context must be a JSON object")
+        version = data.pop("v", None)
+        if version != CONTEXT_VERSION:
+            raise ContextError(
+                f"execution context version {version!r} is not supported (expected "
+                f"{CONTEXT_VERSION}); restart Workers and Supervisor from the same release"
+            )
+        missing = sorted(set(_TYPES) - set(data))
+        unknown = sorted(set(data) - set(_TYPES))
+        if missing or unknown:
+            raise ContextError(f"execution context fields missing={missing} unknown={unknown}")
+        for name, kind in _TYPES.items():
+            value = data[name]
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise ContextError(f"execution context field {name!r} has the wrong type")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in data["settings"].items()):
+            raise ContextError("execution context settings must map strings to strings")
+        return cls(**data)
+
+    def __repr__(self) -> str:
+        shown = ", ".join(
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in fields(self)
+            if f.repr and not f.name.startswith("_")
+        )
+        return f"ExecutionContext({shown}, database={redact_url(self.database_url)!r})"
+
+    # -- term and database --------------------------------------------------------------------
+    @property
+    def term(self) -> Term:
+        return Term(self.supervisor_key, self.holder_id, self.supervisor_generation)
+
+    @property
+    def backend(self) -> SqlBackend:
+        return backend_for(self.database_url)
+
+    @contextmanager
+    def fenced(self) -> Iterator[Connection]:
+        """A short write transaction fenced by the dispatching term (StaleTermError if lost)."""
+        with self.backend.fenced(self.term) as conn:
+            yield conn
+            ack = self._ack_pending is conn
+        # Reached only after COMMIT succeeded.
+        if ack:
+            self._acknowledged = True
+        self._ack_pending = None
+
+    def _check_conn(self, conn: Connection) -> None:
+        if not conn.in_transaction():
+            raise StaleTermError("acknowledge/mark_clean must run inside ctx.fenced()")
+
+    def acknowledge(self, conn: Connection) -> bool:
+        """handled_generation := claimed G in this (fenced) transaction. False if already."""
+        self._check_conn(conn)
+        moved = _intents.acknowledge(
+            conn,
+            self.binding_name,
+            self.scope_id,
+            self.claimed_request_generation,
+            self.pending_sequence,
+        )
+        self._ack_pending = conn
+        return moved
+
+    def mark_clean(self, conn: Connection, dirty_generation: int) -> bool:
+        """Record that no work remains up to the dirty generation read in this snapshot."""
+        self._check_conn(conn)
+        return _intents.mark_clean(
+            conn, self.binding_name, self.scope_id, dirty_generation, self.pending_sequence
+        )
+
+    def dirty_generation(self, conn: Connection) -> int:
+        row = _intents.get(conn, self.binding_name, self.scope_id)
+        return 0 if row is None else row.dirty_generation
+
+    def handled_generation(self, conn: Connection) -> int:
+        row = _intents.get(conn, self.binding_name, self.scope_id)
+        return 0 if row is None else row.handled_generation
+
+    @property
+    def acknowledged(self) -> bool:
+        """True once an acknowledgment of G committed durably in this process."""
+        return self._acknowledged
+
+    def already_handled(self) -> bool:
+        """``handled >= G``: a duplicate invocation that must consume no new input."""
+        with self.backend.read() as conn:
+            return self.handled_generation(conn) >= self.claimed_request_generation

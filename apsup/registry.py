@@ -1,0 +1,283 @@
+"""Family registration: the ``@family`` decorator, the frozen ``Family`` record and ``Registry``.
+
+The decorator is passive: it builds a record and adds it to a registry, checking only what can be
+checked locally (names, policy). ``Registry.validate()`` runs the cross-family checks at startup
+(collisions, importable entry points) so that every mistake fails before anything is scheduled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from apsup.errors import ConfigError
+from apsup.policy import Cron, Disabled, Interval, Policy
+
+if TYPE_CHECKING:
+    from sqlalchemy import Connection
+
+    from apsup.context import ExecutionContext
+
+Processor = Callable[[str, "ExecutionContext"], None]
+#: A reconciler rebuilds dirty state from bounded domain facts: called repeatedly with the
+#: connection, the family and the previous page token (None first); returns the next token or
+#: None when done. It may call ``family.mark_dirty`` but never ``request`` (RFC §11).
+Reconciler = Callable[["Connection", "Family", Any], Any]
+
+_NAME_RE = re.compile(r"^[a-z][a-z0-9]*(?:[-_][a-z0-9]+)*$")
+_PREFIX_RE = re.compile(r"^[A-Z][A-Z0-9_]*$")
+MAX_NAME_LENGTH = 64
+
+
+def default_prefix(name: str) -> str:
+    return name.upper().replace("-", "_")
+
+
+@dataclass(frozen=True, eq=False)
+class Family:
+    """One artifact family's registration: its binding, config prefix, policy, budget, processor.
+
+    ``binding_name`` and ``name`` (the artifact family) are one-to-one in this version (RFC §1).
+    The record is immutable; settings produce an effective copy with ``with_overrides``.
+    """
+
+    name: str
+    binding_name: str
+    prefix: str
+    policy: Policy
+    max_workers: int
+    timeout: float
+    entry_point: str
+    processor: Processor = field(repr=False)
+    _hooks: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    # -- worker-facing ---------------------------------------------------------------------
+    def __call__(self, scope_id: str, ctx: ExecutionContext) -> None:
+        self.processor(scope_id, ctx)
+
+    @property
+    def artifact_family(self) -> str:
+        return self.name
+
+    @property
+    def supervisor_key(self) -> str:
+        """The Lease key of this family's Supervisor in dedicated mode."""
+        return f"artifact:{self.name}"
+
+    # -- domain-facing (inside the caller's own transaction) ---------------------------------
+    def mark_dirty(self, conn: Connection, scope_id: str) -> int:
+        """Advance dirty_generation in the caller's transaction; returns the new generation."""
+        from apsup.store import intents
+
+        return intents.mark_dirty(conn, self.binding_name, scope_id)
+
+    def request(self, conn: Connection, scope_id: str) -> int:
+        """Accept an explicit invocation request in the caller's transaction; returns G."""
+        from apsup.store import intents
+
+        return intents.request(conn, self.binding_name, scope_id)
+
+    # -- reconciliation ------------------------------------------------------------------------
+    def reconciler(self, fn: Reconciler) -> Reconciler:
+        """Decorator: register the bounded dirty-state reconstruction for this family."""
+        if "reconciler" in self._hooks:
+            raise ConfigError(f"family {self.name!r}: reconciler registered twice")
+        self._hooks["reconciler"] = fn
+        return fn
+
+    @property
+    def reconcile(self) -> Reconciler | None:
+        return self._hooks.get("reconciler")
+
+    def with_overrides(self, **changes: Any) -> Family:
+        """An effective copy (policy/max_workers/timeout from settings); shares hooks."""
+        allowed = {"policy", "max_workers", "timeout"}
+        unknown = set(changes) - allowed
+        if unknown:
+            raise ConfigError(f"family {self.name!r}: cannot override {sorted(unknown)}")
+        fam = dataclasses.replace(self, **changes)
+        _check_budget(fam.name, fam.max_workers, fam.timeout)
+        return fam
+
+
+def _check_budget(name: str, max_workers: Any, timeout: Any) -> None:
+    if not isinstance(max_workers, int) or isinstance(max_workers, bool) or max_workers < 1:
+        raise ConfigError(
+            f"family {name!r}: max_workers must be an integer >= 1, got {max_workers!r}"
+        )
+    if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout > 0:
+        raise ConfigError(f"family {name!r}: timeout must be > 0 seconds, got {timeout!r}")
+
+
+def make_policy(
+    name: str, interval: float | None, cron: str | None, timezone: str | None
+) -> Policy:
+    """Exactly one policy: interval, cron+timezone, or neither (automatic admission disabled)."""
+    if interval is not None and cron is not None:
+        raise ConfigError(
+            f"family {name!r}: interval and cron are both set; choose one policy (RFC §1)"
+        )
+    if cron is not None:
+        if not timezone:
+            raise ConfigError(f"family {name!r}: cron needs an IANA timezone (field 'timezone')")
+        try:
+            return Cron(cron, timezone)
+        except ConfigError as exc:
+            raise ConfigError(f"family {name!r}: {exc}") from exc
+    if timezone is not None:
+        raise ConfigError(f"family {name!r}: timezone is only meaningful with cron")
+    if interval is not None:
+        if isinstance(interval, bool) or not isinstance(interval, int | float):
+            raise ConfigError(f"family {name!r}: interval must be a number of seconds")
+        try:
+            return Interval(float(interval))
+        except ConfigError as exc:
+            raise ConfigError(f"family {name!r}: field 'interval': {exc}") from exc
+    return Disabled()
+
+
+class Registry:
+    """The set of registered families, validated as a whole at startup."""
+
+    def __init__(self) -> None:
+        self._families: dict[str, Family] = {}
+
+    def add(self, fam: Family) -> Family:
+        for other in self._families.values():
+            if other.name == fam.name:
+                raise ConfigError(f"family {fam.name!r} is registered twice")
+            if other.binding_name == fam.binding_name:
+                raise ConfigError(
+                    f"family {fam.name!r}: binding {fam.binding_name!r} already belongs to "
+                    f"family {other.name!r}; binding names are globally unique"
+                )
+            if other.prefix == fam.prefix:
+                raise ConfigError(
+                    f"family {fam.name!r}: config prefix {fam.prefix!r} collides with family "
+                    f"{other.name!r}; pass a distinct prefix="
+                )
+        self._families[fam.name] = fam
+        return fam
+
+    def __iter__(self) -> Iterator[Family]:
+        return iter(sorted(self._families.values(), key=lambda f: f.name))
+
+    def __len__(self) -> int:
+        return len(self._families)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._families
+
+    def get(self, name: str) -> Family:
+        try:
+            return self._families[name]
+        except KeyError:
+            known = ", ".join(sorted(self._families)) or "none"
+            raise ConfigError(f"unknown family {name!r} (registered: {known})") from None
+
+    def by_binding(self, binding_name: str) -> Family:
+        for fam in self._families.values():
+            if fam.binding_name == binding_name:
+                return fam
+        raise ConfigError(f"no family registered for binding {binding_name!r}")
+
+    def by_prefix(self) -> dict[str, Family]:
+        return {f.prefix: f for f in self._families.values()}
+
+    def modules(self) -> list[str]:
+        """Modules that define the processors; preloaded into the Worker forkserver."""
+        return sorted({f.entry_point.split(":", 1)[0] for f in self._families.values()})
+
+    def validate(self) -> None:
+        """Startup checks that need the whole registry or imports."""
+        if not self._families:
+            raise ConfigError(
+                "no family is registered; pass --app with the module that defines them"
+            )
+        for fam in self._families.values():
+            resolve_entry_point(fam.entry_point, expect=fam)
+
+
+def resolve_entry_point(entry_point: str, expect: Family | None = None) -> Family:
+    """Import ``module:qualname`` and return the Family it names (used by Workers too)."""
+    module_name, _, qualname = entry_point.partition(":")
+    where = (
+        f"family {expect.name!r}: processor entry point {entry_point!r}"
+        if expect
+        else (f"processor entry point {entry_point!r}")
+    )
+    if not module_name or not qualname or "<locals>" in qualname or module_name == "__main__":
+        raise ConfigError(
+            f"{where} is not importable by name; define the processor at module level in an "
+            "importable module (not __main__ or inside a function)"
+        )
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"{where} cannot be imported: {exc}") from exc
+    if not isinstance(obj, Family):
+        raise ConfigError(f"{where} does not name a @family-decorated processor")
+    if expect is not None and obj.name != expect.name:
+        raise ConfigError(f"{where} resolves to family {obj.name!r}")
+    return obj
+
+
+default_registry = Registry()
+
+
+def family(
+    name: str,
+    *,
+    binding: str | None = None,
+    prefix: str | None = None,
+    interval: float | None = None,
+    cron: str | None = None,
+    timezone: str | None = None,
+    max_workers: int = 4,
+    timeout: float = 600,
+    registry: Registry | None = None,
+) -> Callable[[Processor], Family]:
+    """Register a Scope processor ``fn(scope_id, ctx)`` as an artifact family.
+
+    Returns the ``Family`` record in place of the function, so the module attribute stays the
+    importable entry point that Workers resolve.
+    """
+    if not isinstance(name, str) or not _NAME_RE.match(name) or len(name) > MAX_NAME_LENGTH:
+        raise ConfigError(
+            f"family name {name!r} must be lowercase words joined by '-' or '_' "
+            f"(e.g. 'topic-memory'), at most {MAX_NAME_LENGTH} characters"
+        )
+    binding_name = name if binding is None else binding
+    if not isinstance(binding_name, str) or not binding_name or len(binding_name) > 128:
+        raise ConfigError(f"family {name!r}: binding must be a non-empty string (<= 128 chars)")
+    cfg_prefix = default_prefix(name) if prefix is None else prefix
+    if not isinstance(cfg_prefix, str) or not _PREFIX_RE.match(cfg_prefix):
+        raise ConfigError(
+            f"family {name!r}: prefix {cfg_prefix!r} must be upper-case letters, digits and '_'"
+        )
+    policy = make_policy(name, interval, cron, timezone)
+    _check_budget(name, max_workers, timeout)
+    target = default_registry if registry is None else registry
+
+    def decorate(fn: Processor) -> Family:
+        if not callable(fn):
+            raise ConfigError(f"family {name!r}: @family must decorate a function")
+        fam = Family(
+            name=name,
+            binding_name=binding_name,
+            prefix=cfg_prefix,
+            policy=policy,
+            max_workers=max_workers,
+            timeout=float(timeout),
+            entry_point=f"{fn.__module__}:{fn.__qualname__}",
+            processor=fn,
+        )
+        return target.add(fam)
+
+    return decorate

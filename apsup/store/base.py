@@ -1,0 +1,144 @@
+"""Transaction plumbing shared by the SQLite and MySQL backends.
+
+Backends differ in how a write transaction begins, how the Lease is locked and how time is
+read; the retry loop and connection hygiene are the same and live here.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from datetime import datetime
+from typing import TypeVar
+
+from sqlalchemy import Connection, Engine
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
+
+from apsup.errors import BackendError
+from apsup.store.leases import LeaseRow, Term, all_leases, invalidate, read_lease, validate
+
+T = TypeVar("T")
+
+MAX_ATTEMPTS = 6
+
+
+def redact_url(url: str) -> str:
+    """Drop password and query (which may hold secrets); keep driver, host and database."""
+    try:
+        u = make_url(url)
+    except Exception:
+        return "<unparseable database url>"
+    u = u.set(password=None, query={})
+    if u.username:
+        u = u.set(username="***")
+    return u.render_as_string(hide_password=True)
+
+
+class SqlBackend:
+    """Common behaviour; subclasses set ``name`` and implement the dialect hooks."""
+
+    name = "abstract"
+    engine: Engine
+    read_engine: Engine
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.describe()}>"
+
+    def describe(self) -> str:
+        return redact_url(self.url)
+
+    # -- dialect hooks ----------------------------------------------------------------------
+    def _lock_term(self, conn: Connection, term: Term) -> None:
+        raise NotImplementedError
+
+    def _is_transient(self, exc: DBAPIError) -> bool:
+        raise NotImplementedError
+
+    def _lease_expiry(self, conn: Connection, lease_seconds: float) -> datetime | None:
+        raise NotImplementedError
+
+    def now(self) -> datetime:
+        raise NotImplementedError
+
+    # -- transactions -----------------------------------------------------------------------
+    @contextmanager
+    def _txn(self, engine: Engine) -> Iterator[Connection]:
+        with engine.connect() as conn:
+            try:
+                with conn.begin():
+                    yield conn
+            except DBAPIError:
+                # After a driver error the transaction state is unknown (SQLITE_FULL rolls back
+                # while the driver believes it is open): never reuse this connection.
+                if not conn.invalidated:
+                    conn.invalidate()
+                raise
+
+    def transaction(self) -> AbstractContextManager[Connection]:
+        return self._txn(self.engine)
+
+    def read(self) -> AbstractContextManager[Connection]:
+        return self._txn(self.read_engine)
+
+    @contextmanager
+    def fenced(self, term: Term) -> Iterator[Connection]:
+        with self._txn(self.engine) as conn:
+            self._lock_term(conn, term)
+            yield conn
+
+    def _retrying(self, body: Callable[[], T]) -> T:
+        delay = 0.02
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            try:
+                return body()
+            except DBAPIError as exc:
+                if not self._is_transient(exc) or attempt == MAX_ATTEMPTS:
+                    if self._is_transient(exc):
+                        raise BackendError(
+                            f"{self.name}: lock contention persisted after {attempt} attempts"
+                        ) from exc
+                    raise
+                time.sleep(delay * (1 + random.random()))
+                delay = min(delay * 2, 1.0)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def run_fenced(self, term: Term, fn: Callable[[Connection], T]) -> T:
+        def body() -> T:
+            with self.fenced(term) as conn:
+                return fn(conn)
+
+        return self._retrying(body)
+
+    def run(self, fn: Callable[[Connection], T]) -> T:
+        def body() -> T:
+            with self.transaction() as conn:
+                return fn(conn)
+
+        return self._retrying(body)
+
+    # -- leases shared logic ----------------------------------------------------------------
+    def lease_rows(self) -> list[LeaseRow]:
+        with self.read() as conn:
+            return list(all_leases(conn))
+
+    def invalidate_terms(self, keys: Iterable[str] | None = None) -> list[str]:
+        def body(conn: Connection) -> list[str]:
+            return invalidate(conn, keys, self._lease_expiry(conn, 0))
+
+        return self.run(body)
+
+    def check_term(self, conn: Connection, term: Term) -> None:
+        """Validate ``term`` inside an already open write transaction."""
+        self._lock_term(conn, term)
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+
+__all__ = ["SqlBackend", "read_lease", "redact_url", "validate"]

@@ -1,0 +1,266 @@
+"""Durable scheduling intents (RFC §3): two independent generation pairs per (binding, scope).
+
+``dirty/clean`` says whether ordinary work may exist; ``requested/handled`` whether accepted
+invocations completed. The pairs are never compared with each other. ``pending_sequence`` is
+drawn from a counter row, so it is unique, increasing and never reused even after a row is
+deleted and recreated; it also identifies the row's incarnation, which is why acknowledgments
+carry it (a Worker of a deleted incarnation cannot acknowledge its successor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import Connection, delete, func, insert, select, update
+
+from apsup.errors import IntentError
+from apsup.store.schema import (
+    BINDING_LENGTH,
+    PENDING_SEQUENCE_COUNTER,
+    SCOPE_LENGTH,
+    counters,
+    intents,
+)
+
+c = intents.c
+
+
+@dataclass(frozen=True)
+class Intent:
+    binding_name: str
+    scope_id: str
+    pending_sequence: int
+    dirty_generation: int
+    clean_generation: int
+    requested_generation: int
+    handled_generation: int
+    last_auto_scan_generation: int
+
+    @property
+    def dirty(self) -> bool:
+        return self.dirty_generation > self.clean_generation
+
+    @property
+    def pending_request(self) -> bool:
+        return self.requested_generation > self.handled_generation
+
+
+_COLUMNS = (
+    c.binding_name,
+    c.scope_id,
+    c.pending_sequence,
+    c.dirty_generation,
+    c.clean_generation,
+    c.requested_generation,
+    c.handled_generation,
+    c.last_auto_scan_generation,
+)
+
+
+def check_scope_id(scope_id: object) -> str:
+    if not isinstance(scope_id, str) or not scope_id or len(scope_id) > SCOPE_LENGTH:
+        raise IntentError(
+            f"scope_id must be a non-empty string of at most {SCOPE_LENGTH} characters, "
+            f"got {scope_id!r:.80}"
+        )
+    if any(ord(ch) < 32 for ch in scope_id):
+        raise IntentError("scope_id must not contain control characters")
+    return scope_id
+
+
+def _check_binding(binding: object) -> str:
+    if not isinstance(binding, str) or not binding or len(binding) > BINDING_LENGTH:
+        raise IntentError(f"binding_name must be a non-empty string, got {binding!r:.80}")
+    return binding
+
+
+def _key(binding: str, scope_id: str):  # type: ignore[no-untyped-def]
+    return (c.binding_name == binding) & (c.scope_id == scope_id)
+
+
+def next_pending_sequence(conn: Connection) -> int:
+    """Increment the never-reused counter in the caller's transaction and return it."""
+    conn.execute(
+        update(counters)
+        .where(counters.c.name == PENDING_SEQUENCE_COUNTER)
+        .values(value=counters.c.value + 1)
+    )
+    value = conn.execute(
+        select(counters.c.value).where(counters.c.name == PENDING_SEQUENCE_COUNTER)
+    ).scalar_one_or_none()
+    if value is None:
+        raise IntentError("counter row missing: run `apsup migrate` to create the schema")
+    return int(value)
+
+
+def get(
+    conn: Connection, binding: str, scope_id: str, *, for_update: bool = False
+) -> Intent | None:
+    stmt = select(*_COLUMNS).where(_key(binding, scope_id))
+    if for_update:
+        stmt = stmt.with_for_update()
+    row = conn.execute(stmt).first()
+    return None if row is None else Intent(*row)
+
+
+def _advance(conn: Connection, binding: str, scope_id: str, column: str) -> int:
+    binding = _check_binding(binding)
+    scope_id = check_scope_id(scope_id)
+    col = c[column]
+    for _ in range(3):
+        done = conn.execute(update(intents).where(_key(binding, scope_id)).values({col: col + 1}))
+        if done.rowcount == 0:
+            seq = next_pending_sequence(conn)
+            try:
+                with conn.begin_nested():
+                    conn.execute(
+                        insert(intents).values(
+                            {
+                                "binding_name": binding,
+                                "scope_id": scope_id,
+                                "pending_sequence": seq,
+                                column: 1,
+                            }
+                        )
+                    )
+            except Exception as exc:  # a concurrent first registration won the insert
+                if "Duplicate" not in str(exc) and "UNIQUE" not in str(exc):
+                    raise
+                continue
+        value = conn.execute(select(col).where(_key(binding, scope_id))).scalar_one()
+        return int(value)
+    raise IntentError(f"could not register scope {scope_id!r} of binding {binding!r}")
+
+
+def mark_dirty(conn: Connection, binding: str, scope_id: str) -> int:
+    """Advance dirty_generation in the caller's (domain) transaction; returns the new value."""
+    return _advance(conn, binding, scope_id, "dirty_generation")
+
+
+def request(conn: Connection, binding: str, scope_id: str) -> int:
+    """Advance requested_generation in the caller's transaction; returns G."""
+    return _advance(conn, binding, scope_id, "requested_generation")
+
+
+def acknowledge(
+    conn: Connection, binding: str, scope_id: str, generation: int, pending_sequence: int | None
+) -> bool:
+    """handled := G for exactly the claimed G. True if it moved, False if already >= G."""
+    cond = _key(binding, scope_id)
+    if pending_sequence is not None:
+        cond = cond & (c.pending_sequence == pending_sequence)
+    moved = conn.execute(
+        update(intents)
+        .where(cond, c.handled_generation < generation, c.requested_generation >= generation)
+        .values(handled_generation=generation)
+    ).rowcount
+    if moved:
+        return True
+    row = get(conn, binding, scope_id)
+    if row is None or (pending_sequence is not None and row.pending_sequence != pending_sequence):
+        raise IntentError(f"scope {scope_id!r} of {binding!r} no longer has the claimed intent row")
+    if row.handled_generation >= generation:
+        return False
+    raise IntentError(
+        f"cannot acknowledge generation {generation} above requested {row.requested_generation}"
+    )
+
+
+def mark_clean(
+    conn: Connection,
+    binding: str,
+    scope_id: str,
+    dirty_generation: int,
+    pending_sequence: int | None,
+) -> bool:
+    """clean := the dirty generation the processor read in its snapshot; never lowers it."""
+    cond = _key(binding, scope_id)
+    if pending_sequence is not None:
+        cond = cond & (c.pending_sequence == pending_sequence)
+    moved = conn.execute(
+        update(intents)
+        .where(cond, c.clean_generation < dirty_generation, c.dirty_generation >= dirty_generation)
+        .values(clean_generation=dirty_generation)
+    ).rowcount
+    if moved:
+        return True
+    row = get(conn, binding, scope_id)
+    if row is None or (pending_sequence is not None and row.pending_sequence != pending_sequence):
+        raise IntentError(f"scope {scope_id!r} of {binding!r} no longer has the claimed intent row")
+    if row.dirty_generation < dirty_generation:
+        raise IntentError(
+            f"cannot mark clean {dirty_generation} above dirty {row.dirty_generation}"
+        )
+    return False
+
+
+def delete_scope(conn: Connection, binding: str, scope_id: str) -> bool:
+    """Remove a quiescent row (nothing dirty, nothing requested). Its pending_sequence is never
+    reused; a recreated row gets a new one, which fences stale acknowledgments."""
+    return bool(
+        conn.execute(
+            delete(intents).where(
+                _key(binding, scope_id),
+                c.requested_generation == c.handled_generation,
+                c.dirty_generation == c.clean_generation,
+            )
+        ).rowcount
+    )
+
+
+def max_pending_sequence(conn: Connection, binding: str) -> int | None:
+    value = conn.execute(
+        select(func.max(c.pending_sequence)).where(c.binding_name == binding)
+    ).scalar_one()
+    return None if value is None else int(value)
+
+
+def dirty_page(
+    conn: Connection, binding: str, after_sequence: int, upper_sequence: int, limit: int
+) -> list[tuple[str, int, int]]:
+    """(scope_id, pending_sequence, last_auto_scan_generation) with dirty > clean, in order."""
+    rows = conn.execute(
+        select(c.scope_id, c.pending_sequence, c.last_auto_scan_generation)
+        .where(
+            c.binding_name == binding,
+            c.dirty_pending == 1,
+            c.pending_sequence > after_sequence,
+            c.pending_sequence <= upper_sequence,
+        )
+        .order_by(c.pending_sequence)
+        .limit(limit)
+    )
+    return [(r[0], int(r[1]), int(r[2])) for r in rows]
+
+
+def request_page(
+    conn: Connection, binding: str, after_sequence: int, limit: int
+) -> list[tuple[str, int]]:
+    """(scope_id, pending_sequence) with requested > handled, in order."""
+    rows = conn.execute(
+        select(c.scope_id, c.pending_sequence)
+        .where(
+            c.binding_name == binding,
+            c.request_pending == 1,
+            c.pending_sequence > after_sequence,
+        )
+        .order_by(c.pending_sequence)
+        .limit(limit)
+    )
+    return [(r[0], int(r[1])) for r in rows]
+
+
+def count_pending_requests(conn: Connection, binding: str) -> int:
+    return int(
+        conn.execute(
+            select(func.count()).where(c.binding_name == binding, c.request_pending == 1)
+        ).scalar_one()
+    )
+
+
+def count_dirty(conn: Connection, binding: str) -> int:
+    return int(
+        conn.execute(
+            select(func.count()).where(c.binding_name == binding, c.dirty_pending == 1)
+        ).scalar_one()
+    )

@@ -1,0 +1,164 @@
+"""Leadership terms and the narrow Backend interface every backend implements.
+
+A term is (supervisor_key, holder_id, supervisor_generation). Fencing means: inside the very
+transaction that writes, lock the Lease row and check holder + generation (+ expiry on MySQL),
+holding the lock through commit. A check in one transaction followed by a write in another is
+never used (RFC §8).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Protocol, TypeVar
+
+from sqlalchemy import Connection, Engine, select, update
+
+from apsup.errors import StaleTermError
+from apsup.store.schema import leases
+
+T = TypeVar("T")
+
+GLOBAL_KEY = "global"
+#: holder_id written when a term is invalidated (shutdown, mode switch): matches no live holder.
+INVALIDATED = ""
+
+
+def new_holder_id() -> str:
+    return uuid.uuid4().hex
+
+
+def dedicated_key(family_name: str) -> str:
+    return f"artifact:{family_name}"
+
+
+@dataclass(frozen=True)
+class Term:
+    supervisor_key: str
+    holder_id: str
+    generation: int
+
+
+@dataclass(frozen=True)
+class LeaseRow:
+    supervisor_key: str
+    holder_id: str
+    generation: int
+    expires_at: datetime | None
+
+
+class Backend(Protocol):
+    """What the Supervisor, Workers and domain code need from a database."""
+
+    name: str
+    engine: Engine
+
+    def describe(self) -> str:
+        """The URL with credentials removed, safe to log."""
+        ...
+
+    def transaction(self) -> AbstractContextManager[Connection]:
+        """A write transaction (BEGIN IMMEDIATE on SQLite; READ COMMITTED on MySQL)."""
+        ...
+
+    def read(self) -> AbstractContextManager[Connection]:
+        """A read-only transaction that does not take the SQLite write lock."""
+        ...
+
+    def fenced(self, term: Term) -> AbstractContextManager[Connection]:
+        """A write transaction in which the Lease row is locked and validated for ``term``."""
+        ...
+
+    def run_fenced(self, term: Term, fn: Callable[[Connection], T]) -> T:
+        """``fn`` in a fenced transaction, retried a bounded number of times on lock waits."""
+        ...
+
+    def run(self, fn: Callable[[Connection], T]) -> T:
+        """``fn`` in a write transaction, with the same bounded retry."""
+        ...
+
+    def now(self) -> datetime:
+        """Database time, naive UTC."""
+        ...
+
+    def claim_term(self, key: str, holder_id: str, lease_seconds: float) -> Term | None:
+        """SQLite: always a new term. MySQL: a new term only if the Lease is expired/free."""
+        ...
+
+    def renew_term(self, term: Term, lease_seconds: float) -> bool:
+        """Extend a held Lease (MySQL); False means leadership is lost."""
+        ...
+
+    def release_term(self, term: Term) -> None:
+        """Give up a term at shutdown so no leftover Worker of it can commit."""
+        ...
+
+    def invalidate_terms(self, keys: Iterable[str] | None = None) -> list[str]:
+        """Invalidate active terms (all keys if None), advancing generations; mode switch."""
+        ...
+
+    def lease_rows(self) -> list[LeaseRow]: ...
+
+    def dispose(self) -> None: ...
+
+
+def read_lease(conn: Connection, key: str, *, for_update: bool) -> LeaseRow | None:
+    stmt = select(
+        leases.c.supervisor_key,
+        leases.c.holder_id,
+        leases.c.supervisor_generation,
+        leases.c.expires_at,
+    ).where(leases.c.supervisor_key == key)
+    if for_update:
+        stmt = stmt.with_for_update()
+    row = conn.execute(stmt).first()
+    if row is None:
+        return None
+    return LeaseRow(row[0], row[1], int(row[2]), row[3])
+
+
+def validate(row: LeaseRow | None, term: Term, now: datetime | None) -> None:
+    """Raise StaleTermError unless ``row`` is ``term`` and (when it expires) unexpired."""
+    if row is None:
+        raise StaleTermError(f"no lease row for supervisor key {term.supervisor_key!r}")
+    if row.holder_id != term.holder_id or row.generation != term.generation:
+        raise StaleTermError(
+            f"term {term.supervisor_key}#{term.generation} was superseded "
+            f"(now generation {row.generation})"
+        )
+    if row.expires_at is not None and now is not None and row.expires_at <= now:
+        raise StaleTermError(f"term {term.supervisor_key}#{term.generation} lease expired")
+
+
+def all_leases(conn: Connection) -> Iterator[LeaseRow]:
+    rows = conn.execute(
+        select(
+            leases.c.supervisor_key,
+            leases.c.holder_id,
+            leases.c.supervisor_generation,
+            leases.c.expires_at,
+        ).order_by(leases.c.supervisor_key)
+    )
+    for r in rows:
+        yield LeaseRow(r[0], r[1], int(r[2]), r[3])
+
+
+def invalidate(
+    conn: Connection, keys: Iterable[str] | None, expires_at: datetime | None
+) -> list[str]:
+    """Advance generation and clear the holder of the given (or all) keys; never resets."""
+    stmt = update(leases).values(
+        holder_id=INVALIDATED,
+        supervisor_generation=leases.c.supervisor_generation + 1,
+        expires_at=expires_at,
+    )
+    chosen = None if keys is None else sorted(set(keys))
+    if chosen is not None:
+        stmt = stmt.where(leases.c.supervisor_key.in_(chosen))
+    conn.execute(stmt)
+    return [
+        r.supervisor_key for r in all_leases(conn) if chosen is None or r.supervisor_key in chosen
+    ]

@@ -1,0 +1,123 @@
+"""Per-binding automatic check state and scan admission (RFC §4).
+
+Every function here is a Supervisor control write or read: callers run writes through
+``backend.run_fenced(term, ...)`` so the term is validated in the same transaction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import Connection, insert, select, update
+
+from apsup.store.intents import max_pending_sequence
+from apsup.store.schema import binding_states, intents
+
+b = binding_states.c
+i = intents.c
+
+
+@dataclass(frozen=True)
+class ScanState:
+    binding_name: str
+    checkpoint: datetime | None
+    scan_generation: int
+    scan_in_progress: bool
+    scan_upper_pending_sequence: int | None
+
+
+def get_state(conn: Connection, binding: str) -> ScanState | None:
+    row = conn.execute(
+        select(
+            b.binding_name,
+            b.last_schedule_checkpoint_at,
+            b.scan_generation,
+            b.scan_in_progress,
+            b.scan_upper_pending_sequence,
+        ).where(b.binding_name == binding)
+    ).first()
+    if row is None:
+        return None
+    upper = None if row[4] is None else int(row[4])
+    return ScanState(row[0], row[1], int(row[2]), bool(row[3]), upper)
+
+
+def ensure_state(conn: Connection, binding: str) -> ScanState:
+    state = get_state(conn, binding)
+    if state is None:
+        conn.execute(insert(binding_states).values(binding_name=binding))
+        state = get_state(conn, binding)
+    assert state is not None
+    return state
+
+
+def start_scan(conn: Connection, binding: str, checkpoint: datetime) -> ScanState:
+    """One transaction: scan_generation + 1, checkpoint, in-progress, upper pending_sequence."""
+    ensure_state(conn, binding)
+    upper = max_pending_sequence(conn, binding)
+    conn.execute(
+        update(binding_states)
+        .where(b.binding_name == binding)
+        .values(
+            scan_generation=b.scan_generation + 1,
+            last_schedule_checkpoint_at=checkpoint,
+            scan_in_progress=True,
+            scan_upper_pending_sequence=upper,
+        )
+    )
+    state = get_state(conn, binding)
+    assert state is not None
+    return state
+
+
+def admit(conn: Connection, binding: str, scope_id: str, scan_generation: int) -> bool:
+    """Durably admit a Scope for this scan; True if it now has an accepted request.
+
+    Idempotent per scan: a Scope whose marker already equals this scan is not admitted again
+    (crash recovery restarts pagination from the first page). An existing unacknowledged request
+    is reused rather than duplicated, and the marker is still recorded.
+    """
+    row = conn.execute(
+        select(
+            i.requested_generation,
+            i.handled_generation,
+            i.last_auto_scan_generation,
+            i.dirty_generation,
+            i.clean_generation,
+        )
+        .where(i.binding_name == binding, i.scope_id == scope_id)
+        .with_for_update()
+    ).first()
+    if row is None:
+        return False
+    requested, handled, last_auto, dirty, clean = (int(v) for v in row)
+    if last_auto >= scan_generation or dirty <= clean:
+        return requested > handled
+    values: dict[str, object] = {"last_auto_scan_generation": scan_generation}
+    if requested <= handled:
+        values["requested_generation"] = i.requested_generation + 1
+    conn.execute(
+        update(intents).where(i.binding_name == binding, i.scope_id == scope_id).values(values)
+    )
+    return True
+
+
+def end_scan(conn: Connection, binding: str, scan_generation: int) -> bool:
+    return bool(
+        conn.execute(
+            update(binding_states)
+            .where(b.binding_name == binding, b.scan_generation == scan_generation)
+            .values(scan_in_progress=False)
+        ).rowcount
+    )
+
+
+def set_checkpoint(conn: Connection, binding: str, checkpoint: datetime | None) -> None:
+    """Used by migrations to carry a preserved check-time baseline."""
+    ensure_state(conn, binding)
+    conn.execute(
+        update(binding_states)
+        .where(b.binding_name == binding)
+        .values(last_schedule_checkpoint_at=checkpoint)
+    )
