@@ -1,0 +1,713 @@
+"""The sans-IO scheduling core: per-family partitions, fair ready queues, backoff, scan cursors.
+
+The core holds only in-memory scheduling state (RFC §2, §7) and turns events into decisions. It
+never reads the clock, sleeps, touches the database or starts processes: the IO shell passes
+``now`` (naive UTC) in, executes one decision at a time and reports each result back before it
+asks for the next one. Durable facts (intents, binding state) stay in the store; after a crash or
+a term change the core is rebuilt from them with ``restore`` (RFC §8 "Roles and recovery").
+
+Vocabulary used below:
+
+* A *key* is a Scope of one family. In memory it is in at most one of ``ready``, ``running`` or
+  ``retry_wait`` (RFC §2); a key in none of them is *free*.
+* *Capacity* of a family for discovery: its ready queue has room (``len(ready) < ready_limit``).
+  A family whose ready queue is full never discovers (no scan page, no admission, no request
+  page, no StartScan); while it also has free Workers it dispatches instead, so "ready full" and
+  "Workers free" cannot persist together.
+* One *step* is one decision in flight. A family has at most one step in flight; other families
+  are unaffected by it.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import TypeVar
+
+from apsup.errors import ConfigError
+from apsup.policy import Disabled, Policy, is_due
+from apsup.scheduling.backoff import Backoff
+from apsup.scheduling.decisions import (
+    Admit,
+    Decision,
+    Dispatch,
+    DispatchReason,
+    EndScan,
+    FetchRequests,
+    FetchScanPage,
+    StartScan,
+)
+
+_D = TypeVar("_D", StartScan, FetchScanPage, Admit, EndScan, FetchRequests, Dispatch)
+
+# --- public records ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """Scheduling configuration of one Artifact Family (its single binding).
+
+    ``ready_limit`` bounds the family's ready queue (default ``max(8, 2 * max_workers)``);
+    ``page_size`` bounds every discovery query.
+    """
+
+    name: str
+    policy: Policy
+    max_workers: int
+    ready_limit: int | None = None
+    page_size: int = 100
+
+    @property
+    def queue_limit(self) -> int:
+        """The effective ready-queue bound."""
+        if self.ready_limit is not None:
+            return self.ready_limit
+        return max(8, 2 * self.max_workers)
+
+
+@dataclass(frozen=True)
+class ScanRow:
+    """One ``dirty > clean`` intent row of a scan page."""
+
+    scope_id: str
+    pending_sequence: int
+    last_auto_scan_generation: int
+
+
+@dataclass(frozen=True)
+class RequestRow:
+    """One ``requested > handled`` intent row of a request-discovery page."""
+
+    scope_id: str
+    pending_sequence: int
+
+
+@dataclass(frozen=True)
+class BindingState:
+    """The durable check state of a binding (RFC §4), as loaded after a term is established."""
+
+    checkpoint: datetime | None
+    scan_generation: int
+    scan_in_progress: bool
+    scan_upper_pending_sequence: int | None
+
+
+class Outcome(enum.Enum):
+    """How a Worker's exit was confirmed. An exit without durable acknowledgment is FAILURE."""
+
+    SUCCESS = "success"
+    FAILURE = "failure"
+    TIMEOUT = "timeout"
+    CONFLICT = "conflict"
+    STALE_TERM = "stale_term"
+
+
+class KeyState(enum.Enum):
+    """The mutually exclusive in-memory states of a key (a free key has none)."""
+
+    READY = "ready"
+    RUNNING = "running"
+    RETRY_WAIT = "retry_wait"
+
+
+@dataclass(frozen=True)
+class FamilySnapshot:
+    """Per-family figures for metrics and status (no unbounded identifiers)."""
+
+    family: str
+    policy: str
+    active: bool  # restored under the current term
+    budget: int
+    running: int
+    ready: int
+    ready_limit: int
+    retry_wait: int  # keys waiting for a deadline or for ready room (includes ``deferred``)
+    deferred: int  # keys whose retry/successor is due but waits for ready room
+    next_retry_at: datetime | None
+    checkpoint: datetime | None
+    due_at: datetime | None  # next automatic check; None if disabled (or unknown without now)
+    scan_active: bool
+    scan_generation: int
+    scan_after_sequence: int | None
+    request_pass_active: bool
+    notifications: int
+    step_in_flight: str | None
+    degraded: bool
+    postponed_until: datetime | None
+    last_error_stage: str | None
+    errors: int
+    max_consecutive_failures: int
+
+
+# --- internal state ------------------------------------------------------------------------------
+
+
+@dataclass
+class _Key:
+    state: KeyState
+    reason: DispatchReason
+    failures: int = 0
+    token: int = 0
+
+
+@dataclass
+class _Scan:
+    """An unfinished automatic scan: its generation, bound, position and (at most) one page."""
+
+    generation: int
+    upper: int | None
+    after_sequence: int = 0  # the last row fully handled
+    rows: deque[ScanRow] = field(default_factory=deque)
+    last_page: bool = False  # ``rows`` is the final page
+    ending: bool = False  # every page is handled: EndScan is the next step
+
+
+@dataclass
+class _RequestPass:
+    """A request-discovery pass over ``requested > handled`` rows (RFC §8 SQLite wake-ups)."""
+
+    after_sequence: int = 0
+    started_at: int | None = None  # notification count when the pass issued its first query
+
+
+class _Family:
+    """One scheduling partition: its own queue, backoff index, scan cursor and budget (RFC §2)."""
+
+    def __init__(self, spec: FamilySpec) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.budget = spec.max_workers
+        self.limit = spec.queue_limit
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything held in memory (lease loss, before restore)."""
+        self.restored = False
+        self.keys: dict[str, _Key] = {}
+        self.ready: deque[str] = deque()
+        self.running = 0
+        self.waiting: list[tuple[datetime, int, str]] = []  # heap of (due, tiebreak, scope)
+        self.checkpoint: datetime | None = None
+        self.scan_generation = 0
+        self.scan: _Scan | None = None
+        self.notifications = 0
+        self.request_pass: _RequestPass | None = None
+        self.step: Decision | None = None
+        self.postponed_until: datetime | None = None
+        self.degraded = False
+        self.last_error_stage: str | None = None
+        self.errors = 0
+        self.retry_turn = True  # alternation between due retries and discovery for ready room
+        self.requests_turn = True  # alternation between request discovery and the scan
+
+    def has_room(self) -> bool:
+        return len(self.ready) < self.limit
+
+
+# --- the scheduler -------------------------------------------------------------------------------
+
+
+class Scheduler:
+    """Pure scheduling state for one Supervisor (all families in ``global``, one in ``dedicated``).
+
+    Drive it with ``decide(now)`` until it returns None, then sleep until ``next_wakeup(now)`` or
+    the next event. Events about a step that is no longer in flight (after ``on_lease_lost`` or
+    ``on_family_error``) are ignored and counted in ``ignored_events``.
+    """
+
+    def __init__(
+        self,
+        specs: list[FamilySpec],
+        *,
+        rng: random.Random,
+        backoff: Backoff | None = None,
+        conflict_delay: float = 5.0,
+        error_delay: float = 30.0,
+    ) -> None:
+        names = [spec.name for spec in specs]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"duplicate family names in scheduler specs: {names}")
+        for spec in specs:
+            if spec.max_workers < 1:
+                raise ConfigError(f"family {spec.name!r}: max_workers must be >= 1")
+            if spec.queue_limit < 1:
+                raise ConfigError(f"family {spec.name!r}: ready_limit must be >= 1")
+            if spec.page_size < 1:
+                raise ConfigError(f"family {spec.name!r}: page_size must be >= 1")
+        if conflict_delay < 0 or error_delay < 0:
+            raise ConfigError("conflict_delay and error_delay must be >= 0 seconds")
+        self._families = [_Family(spec) for spec in specs]
+        self._by_name = {f.name: f for f in self._families}
+        self._rng = rng
+        self._backoff = backoff or Backoff()
+        self._conflict_delay = timedelta(seconds=conflict_delay)
+        self._error_delay = timedelta(seconds=error_delay)
+        self._last_served = -1
+        self._tokens = itertools.count(1)
+        self._tiebreak = itertools.count()
+        self.ignored_events = 0
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    @property
+    def families(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self._families)
+
+    def restore(self, family: str, state: BindingState) -> None:
+        """Activate a family under a freshly established term from its durable check state.
+
+        An unfinished scan resumes with the same generation from the first page (the
+        last-auto-scan marker makes that idempotent); under a Disabled policy it is only ended.
+        A full request-discovery pass is scheduled to recover every ``requested > handled`` row,
+        including admissions that never reached the old process's queue.
+        """
+        f = self._family(family)
+        if f.running:
+            raise RuntimeError(
+                f"restore({family!r}) while {f.running} Worker(s) are counted as running; "
+                "call on_lease_lost() first so that no key can be dispatched twice"
+            )
+        f.reset()
+        f.restored = True
+        f.checkpoint = state.checkpoint
+        f.scan_generation = state.scan_generation
+        if state.scan_in_progress:
+            upper = state.scan_upper_pending_sequence
+            f.scan = _Scan(state.scan_generation, upper)
+            f.scan.ending = upper is None or isinstance(f.spec.policy, Disabled)
+        f.request_pass = _RequestPass()
+
+    def on_lease_lost(self) -> None:
+        """Drop every in-memory record; nothing is decided until ``restore``.
+
+        Accepted requests stay durable, so nothing is lost: the next term recovers them.
+        """
+        for f in self._families:
+            f.reset()
+
+    # --- deciding --------------------------------------------------------------------------------
+
+    def decide(self, now: datetime) -> Decision | None:
+        """The next step to execute now, visiting families round-robin after the last served.
+
+        A family without an eligible step is skipped and never blocks the next one (RFC §2).
+        """
+        count = len(self._families)
+        for offset in range(1, count + 1):
+            index = (self._last_served + offset) % count
+            f = self._families[index]
+            decision = self._step(f, now)
+            if decision is not None:
+                self._last_served = index
+                self._issue(f, decision)
+                return decision
+        return None
+
+    def _step(self, f: _Family, now: datetime) -> Decision | None:
+        if not f.restored or f.step is not None:
+            return None
+        if f.postponed_until is not None:
+            if now < f.postponed_until:
+                return None
+            f.postponed_until = None  # stays degraded until a step succeeds
+        while True:
+            if f.ready and f.running < f.budget:
+                return self._dispatch(f)
+            if f.scan is not None and f.scan.ending:
+                return EndScan(f.name, f.scan.generation)  # ends regardless of capacity
+            if not f.has_room():
+                return None
+            discovery = self._discovery(f, now)
+            retry_due = bool(f.waiting) and f.waiting[0][0] <= now
+            if retry_due and (discovery is None or f.retry_turn):
+                # Due retries/successors and discovery take turns for ready room, so neither
+                # has unlimited priority over the other (RFC §2 fairness).
+                self._promote(f)
+                f.retry_turn = False
+                continue
+            if discovery is not None:
+                f.retry_turn = True
+            return discovery
+
+    def _issue(self, f: _Family, decision: Decision) -> None:
+        f.step = decision
+        if isinstance(decision, FetchRequests):
+            f.requests_turn = False
+            assert f.request_pass is not None
+            if f.request_pass.started_at is None:
+                f.request_pass.started_at = f.notifications
+        elif isinstance(decision, FetchScanPage | StartScan):
+            f.requests_turn = True
+
+    def _dispatch(self, f: _Family) -> Dispatch:
+        scope = f.ready.popleft()
+        key = f.keys[scope]
+        key.state = KeyState.RUNNING
+        key.token = next(self._tokens)
+        f.running += 1  # counts against the budget from now until the confirmed exit
+        return Dispatch(f.name, scope, key.reason, key.token)
+
+    def _discovery(self, f: _Family, now: datetime) -> Decision | None:
+        """The family's next discovery step; the caller has checked capacity."""
+        scan = f.scan
+        if scan is not None and scan.rows:
+            admission = self._next_admission(f, scan)
+            if admission is not None:
+                return admission  # finish the page in memory before anything else
+            if scan.ending:
+                return EndScan(f.name, scan.generation)
+        requests: Decision | None = None
+        if f.request_pass is not None:
+            requests = FetchRequests(f.name, f.request_pass.after_sequence, f.spec.page_size)
+        automatic: Decision | None = None
+        if scan is not None:
+            assert scan.upper is not None  # an empty binding's scan is ``ending`` at once
+            automatic = FetchScanPage(
+                f.name, scan.generation, scan.after_sequence, scan.upper, f.spec.page_size
+            )
+        elif is_due(f.spec.policy, f.checkpoint, now):
+            automatic = StartScan(f.name, f.spec.policy.checkpoint_for(now))
+        if requests is not None and automatic is not None:
+            return requests if f.requests_turn else automatic
+        return requests or automatic
+
+    def _next_admission(self, f: _Family, scan: _Scan) -> Admit | None:
+        """Skip rows that need no admission; the first one that does becomes an Admit."""
+        while scan.rows:
+            row = scan.rows[0]
+            if row.scope_id in f.keys or row.last_auto_scan_generation >= scan.generation:
+                # Busy keys are not awaited (RFC §4.1); a marked row was admitted by this scan.
+                scan.rows.popleft()
+                scan.after_sequence = row.pending_sequence
+                continue
+            return Admit(f.name, row.scope_id, scan.generation)
+        if scan.last_page:
+            scan.ending = True
+        return None
+
+    def _promote(self, f: _Family) -> None:
+        _, _, scope = heapq.heappop(f.waiting)
+        key = f.keys[scope]
+        key.state = KeyState.READY
+        f.ready.append(scope)
+
+    # --- events ----------------------------------------------------------------------------------
+
+    def on_notify(self, family: str) -> None:
+        """A request (or dirty) notification: ensure a request-discovery pass.
+
+        Notifications are counted; a pass that finishes after the count moved runs once more,
+        so notifications during a pass coalesce into exactly one extra pass.
+        """
+        f = self._family(family)
+        if not f.restored:
+            return  # restore() runs a full pass anyway
+        f.notifications += 1
+        if f.request_pass is None:
+            f.request_pass = _RequestPass()
+
+    def on_scan_started(
+        self, family: str, scan_generation: int, upper_sequence: int | None, checkpoint: datetime
+    ) -> None:
+        f = self._family(family)
+        if self._settle(f, StartScan) is None:
+            return
+        f.checkpoint = checkpoint
+        f.scan_generation = scan_generation
+        f.scan = _Scan(scan_generation, upper_sequence, ending=upper_sequence is None)
+
+    def on_scan_page(
+        self, family: str, scan_generation: int, rows: list[ScanRow], exhausted: bool
+    ) -> None:
+        f = self._family(family)
+        step = self._settle(f, FetchScanPage, scan_generation=scan_generation)
+        scan = f.scan
+        if step is None or scan is None or scan.generation != scan_generation:
+            return
+        assert scan.upper is not None
+        page = sorted(
+            (r for r in rows if r.pending_sequence > scan.after_sequence),
+            key=lambda r: r.pending_sequence,
+        )
+        if any(r.pending_sequence > scan.upper for r in page):
+            page = [r for r in page if r.pending_sequence <= scan.upper]
+            exhausted = True  # nothing beyond this scan's bound belongs to it
+        scan.rows = deque(page)
+        scan.last_page = exhausted or not page  # an empty page cannot make progress
+        if not page:
+            scan.ending = True
+
+    def on_admitted(self, family: str, scope_id: str, admitted: bool) -> None:
+        f = self._family(family)
+        step = self._settle(f, Admit, scope_id=scope_id)
+        scan = f.scan
+        if step is None or scan is None:
+            return
+        if scan.rows and scan.rows[0].scope_id == scope_id:
+            scan.after_sequence = scan.rows.popleft().pending_sequence
+        if admitted:
+            self._enqueue(f, scope_id, "scan")
+        if not scan.rows and scan.last_page:
+            scan.ending = True
+
+    def on_scan_ended(self, family: str, scan_generation: int) -> None:
+        f = self._family(family)
+        step = self._settle(f, EndScan, scan_generation=scan_generation)
+        if step is None or f.scan is None or f.scan.generation != scan_generation:
+            return
+        f.scan = None
+
+    def on_request_page(self, family: str, rows: list[RequestRow], exhausted: bool) -> None:
+        f = self._family(family)
+        step = self._settle(f, FetchRequests)
+        current = f.request_pass
+        if step is None or current is None:
+            return
+        progressed = False
+        for row in sorted(rows, key=lambda r: r.pending_sequence):
+            if row.pending_sequence <= current.after_sequence:
+                continue
+            progressed = True
+            if row.scope_id not in f.keys:
+                # Busy keys are skipped: a running key's new requests surface at its exit
+                # (more_requested), a waiting key keeps its backoff and reads the latest G later.
+                if not f.has_room():
+                    return  # paused; resume after the last row handled
+                self._enqueue(f, row.scope_id, "request")
+            current.after_sequence = row.pending_sequence
+        if not exhausted and progressed:
+            return
+        if f.notifications != current.started_at:
+            f.request_pass = _RequestPass(started_at=f.notifications)  # one more, at once
+        else:
+            f.request_pass = None
+
+    def on_dispatched(
+        self, family: str, scope_id: str, started: bool, token: int | None = None
+    ) -> None:
+        """``started=False``: G was already handled (or nothing to do), so the key is free."""
+        f = self._family(family)
+        expected: dict[str, object] = {"scope_id": scope_id}
+        if token is not None:
+            expected["token"] = token
+        if self._settle(f, Dispatch, **expected) is None:
+            return
+        if not started:
+            del f.keys[scope_id]
+            f.running -= 1
+
+    def on_worker_exit(
+        self,
+        family: str,
+        scope_id: str,
+        outcome: Outcome,
+        more_requested: bool,
+        now: datetime,
+        token: int | None = None,
+    ) -> None:
+        """A Worker's exit was confirmed: release its capacity and apply the failure policy."""
+        f = self._family(family)
+        key = f.keys.get(scope_id)
+        if key is None or key.state is not KeyState.RUNNING:
+            self.ignored_events += 1
+            return
+        if token is not None and token != key.token:
+            self.ignored_events += 1
+            return
+        if outcome is Outcome.STALE_TERM:
+            self.on_lease_lost()  # the term is gone: nothing in memory is valid any more
+            return
+        if isinstance(f.step, Dispatch) and f.step.scope_id == scope_id:
+            f.step = None  # launched and exited before on_dispatched: it did start
+        f.running -= 1
+        if outcome is Outcome.SUCCESS:
+            key.failures = 0
+            if more_requested:
+                self._requeue(f, scope_id, key, "successor", now)  # at most one successor
+            else:
+                del f.keys[scope_id]
+        elif outcome is Outcome.CONFLICT:
+            self._wait(f, scope_id, key, "conflict", now + self._conflict_delay)
+        else:  # FAILURE, TIMEOUT
+            key.failures += 1
+            delay = timedelta(seconds=self._backoff.delay(key.failures, self._rng))
+            self._wait(f, scope_id, key, "retry", now + delay)
+
+    def on_family_error(self, family: str, stage: str, now: datetime) -> None:
+        """A discovery/control query of this family failed: abandon the step, postpone the family.
+
+        The abandoned step is simply retried later from unchanged state: every control write is
+        idempotent (admission by its marker, start/end scan by generation), so an error whose
+        commit actually went through is harmless. Other families are unaffected (RFC §1, §8).
+        """
+        f = self._family(family)
+        step = f.step
+        f.step = None
+        if isinstance(step, Dispatch):
+            key = f.keys[step.scope_id]
+            f.running -= 1
+            if f.has_room():
+                key.state = KeyState.READY
+                f.ready.appendleft(step.scope_id)  # it was at the head; nothing was launched
+            else:
+                self._wait(f, step.scope_id, key, key.reason, now)
+        f.postponed_until = now + self._error_delay
+        f.degraded = True
+        f.last_error_stage = stage
+        f.errors += 1
+
+    # --- helpers ---------------------------------------------------------------------------------
+
+    def _family(self, name: str) -> _Family:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise KeyError(f"unknown family {name!r}; known: {sorted(self._by_name)}") from None
+
+    def _settle(self, f: _Family, kind: type[_D], **expected: object) -> _D | None:
+        """Match an event to the step in flight; a successful step clears ``degraded``.
+
+        Anything else (a report about an abandoned step, or after lease loss) is ignored.
+        """
+        step = f.step
+        if not isinstance(step, kind) or any(
+            getattr(step, name) != value for name, value in expected.items()
+        ):
+            self.ignored_events += 1
+            return None
+        f.step = None
+        f.degraded = False
+        return step
+
+    def _enqueue(self, f: _Family, scope_id: str, reason: DispatchReason) -> None:
+        if scope_id in f.keys:
+            return  # busy: its current occupant will read the latest requested generation
+        f.keys[scope_id] = _Key(KeyState.READY, reason)
+        f.ready.append(scope_id)
+
+    def _requeue(
+        self, f: _Family, scope_id: str, key: _Key, reason: DispatchReason, now: datetime
+    ) -> None:
+        key.reason = reason
+        if f.has_room():
+            key.state = KeyState.READY
+            f.ready.append(scope_id)
+        else:
+            self._wait(f, scope_id, key, reason, now)  # due at once, enters when there is room
+
+    def _wait(
+        self, f: _Family, scope_id: str, key: _Key, reason: DispatchReason, due: datetime
+    ) -> None:
+        key.state = KeyState.RETRY_WAIT
+        key.reason = reason
+        heapq.heappush(f.waiting, (due, next(self._tiebreak), scope_id))
+
+    # --- time and observation --------------------------------------------------------------------
+
+    def next_wakeup(self, now: datetime) -> datetime | None:
+        """The earliest deadline at which a family could act without a new event, or None.
+
+        Only deadlines that time alone can unblock count: a due schedule or due retry that waits
+        for ready room is woken by the event that frees the room, never by polling.
+        """
+        earliest: datetime | None = None
+
+        def consider(moment: datetime) -> None:
+            nonlocal earliest
+            if earliest is None or moment < earliest:
+                earliest = moment
+
+        for f in self._families:
+            if not f.restored:
+                continue
+            if f.postponed_until is not None and f.postponed_until > now:
+                consider(f.postponed_until)
+                continue
+            if f.step is not None:
+                continue  # its event wakes us
+            if not f.has_room():
+                continue  # time cannot create ready room; an exit or dispatch will
+            if f.waiting:
+                consider(max(f.waiting[0][0], now))
+            if f.scan is None:
+                due = f.spec.policy.next_due(f.checkpoint, now)
+                if due is not None:
+                    consider(max(due, now))
+        return earliest
+
+    def key_state(self, family: str, scope_id: str) -> KeyState | None:
+        """The in-memory state of one key (None = free)."""
+        key = self._family(family).keys.get(scope_id)
+        return None if key is None else key.state
+
+    def keys(self, family: str) -> dict[str, KeyState]:
+        """All non-free keys of a family (bounded by running + ready + retry-wait)."""
+        return {scope: key.state for scope, key in self._family(family).keys.items()}
+
+    def snapshot(self, now: datetime | None = None) -> dict[str, FamilySnapshot]:
+        """Per-family counters for metrics and status; ``now`` lets ``due_at`` be computed."""
+        result: dict[str, FamilySnapshot] = {}
+        for f in self._families:
+            reference = now if now is not None else f.checkpoint
+            due_at = None if reference is None else f.spec.policy.next_due(f.checkpoint, reference)
+            deferred = sum(1 for due, _, _ in f.waiting if now is not None and due <= now)
+            result[f.name] = FamilySnapshot(
+                family=f.name,
+                policy=f.spec.policy.describe(),
+                active=f.restored,
+                budget=f.budget,
+                running=f.running,
+                ready=len(f.ready),
+                ready_limit=f.limit,
+                retry_wait=len(f.waiting),
+                deferred=deferred,
+                next_retry_at=f.waiting[0][0] if f.waiting else None,
+                checkpoint=f.checkpoint,
+                due_at=due_at,
+                scan_active=f.scan is not None,
+                scan_generation=f.scan_generation,
+                scan_after_sequence=None if f.scan is None else f.scan.after_sequence,
+                request_pass_active=f.request_pass is not None,
+                notifications=f.notifications,
+                step_in_flight=None if f.step is None else type(f.step).__name__,
+                degraded=f.degraded,
+                postponed_until=f.postponed_until,
+                last_error_stage=f.last_error_stage,
+                errors=f.errors,
+                max_consecutive_failures=max((k.failures for k in f.keys.values()), default=0),
+            )
+        return result
+
+    def verify(self) -> None:
+        """Check internal consistency (used by the simulation after every step).
+
+        Raises AssertionError naming the broken invariant.
+        """
+        for f in self._families:
+            counts = {state: 0 for state in KeyState}
+            for key in f.keys.values():
+                counts[key.state] += 1
+            ready = list(f.ready)
+            waiting = [scope for _, _, scope in f.waiting]
+            running = [s for s, k in f.keys.items() if k.state is KeyState.RUNNING]
+            if len(set(ready)) != len(ready) or len(set(waiting)) != len(waiting):
+                raise AssertionError(f"{f.name}: a key is queued twice: {ready} / {waiting}")
+            if any(f.keys[s].state is not KeyState.READY for s in ready):
+                raise AssertionError(f"{f.name}: ready queue holds a key in another state")
+            if any(f.keys[s].state is not KeyState.RETRY_WAIT for s in waiting):
+                raise AssertionError(f"{f.name}: retry-wait holds a key in another state")
+            if counts[KeyState.READY] != len(ready) or counts[KeyState.RETRY_WAIT] != len(waiting):
+                raise AssertionError(f"{f.name}: key states disagree with the queues")
+            if len(running) != f.running:
+                raise AssertionError(f"{f.name}: running count {f.running} != {running}")
+            if f.running > f.budget:
+                raise AssertionError(f"{f.name}: {f.running} running > budget {f.budget}")
+            if len(ready) > f.limit:
+                raise AssertionError(f"{f.name}: ready {len(ready)} > limit {f.limit}")
+            if f.scan is not None and len(f.scan.rows) > f.spec.page_size:
+                raise AssertionError(f"{f.name}: more than one page in memory")
