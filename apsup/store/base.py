@@ -66,6 +66,15 @@ class SqlBackend:
     def now(self) -> datetime:
         raise NotImplementedError
 
+    def claim_term(self, key: str, holder_id: str, lease_seconds: float) -> Term | None:
+        raise NotImplementedError
+
+    def renew_term(self, term: Term, lease_seconds: float) -> bool:
+        raise NotImplementedError
+
+    def release_term(self, term: Term) -> None:
+        raise NotImplementedError
+
     # -- transactions -----------------------------------------------------------------------
     @contextmanager
     def _txn(self, engine: Engine) -> Iterator[Connection]:

@@ -1,0 +1,229 @@
+"""``apsup``: run | migrate | check-config | status | trigger | demo | maintenance.
+
+Exit codes: 0 ok, 1 runtime failure, 2 configuration error (the message says what to change),
+3 another host already runs on this SQLite database.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+
+from apsup.errors import ApsupError, ConfigError, HostConflictError
+from apsup.registry import Registry, default_registry
+
+EXIT_CONFIG = 2
+EXIT_HOST_CONFLICT = 3
+
+
+def _import_apps(modules: Sequence[str]) -> Registry:
+    """Import the modules that declare families; they register into the default registry."""
+    if not modules:
+        raise ConfigError("pass --app MODULE (the module that declares your @family processors)")
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise ConfigError(f"--app {name!r} cannot be imported: {exc}") from exc
+    default_registry.validate()
+    return default_registry
+
+
+def _settings(args: argparse.Namespace, registry: Registry) -> Any:
+    from apsup.config import Settings
+
+    env = None
+    if getattr(args, "db", None):
+        import os
+
+        env = dict(os.environ)
+        env[f"{Settings.default_prefix()}DATABASE_URL"] = args.db
+    return Settings.load(registry, env=env)
+
+
+def _db_url(args: argparse.Namespace) -> str:
+    from apsup.config import Settings
+
+    if getattr(args, "db", None):
+        return str(args.db)
+    return str(Settings.database_url_from_env())
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from apsup.demo import run_demo
+
+    run_demo(args.db_path, args.seconds)
+    return 0
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    from apsup.store import migrate, redact_url
+
+    url = _db_url(args)
+    migrate(url, args.revision)
+    print(f"migrated {redact_url(url)} to {args.revision}")
+    return 0
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    registry = _import_apps(args.app)
+    settings = _settings(args, registry)
+    report = settings.effective_report()
+    if args.json:
+        sys.stdout.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() + "\n")
+    else:
+        for line in _flatten(report):
+            print(line)
+    return 0
+
+
+def _flatten(value: Any, prefix: str = "") -> list[str]:
+    if isinstance(value, dict):
+        out: list[str] = []
+        for k, v in value.items():
+            out.extend(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    if isinstance(value, list):
+        return [f"{prefix} = {', '.join(map(str, value)) or '-'}"]
+    return [f"{prefix} = {value}"]
+
+
+def cmd_trigger(args: argparse.Namespace) -> int:
+    from apsup.store import open_backend
+    from apsup.supervisor.control import notify
+
+    registry = _import_apps(args.app)
+    fam = registry.get(args.family)
+    url = _db_url(args)
+    backend = open_backend(url)
+    try:
+        with backend.transaction() as conn:
+            generation = fam.request(conn, args.scope)
+    finally:
+        backend.dispose()
+    delivered = notify(url, fam.name)
+    print(
+        f"accepted: {fam.name} scope {args.scope!r} requested generation {generation}"
+        + ("" if delivered else " (no local host notified; it is recovered when one runs)")
+    )
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from apsup.supervisor.runtime import Runtime
+
+    registry = _import_apps(args.app)
+    settings = _settings(args, registry)
+    Runtime(settings, registry).run()
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from apsup.observability.status_view import main as status_main
+
+    return int(status_main(args))
+
+
+def cmd_switch_mode(args: argparse.Namespace) -> int:
+    from apsup.supervisor.maintenance import switch_mode
+
+    registry = _import_apps(args.app)
+    settings = _settings(args, registry)
+    report = switch_mode(settings, args.to)
+    print(report)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="apsup",
+        description="Artifact Processing Supervisor. Configuration comes from "
+        "POWERCONTEXT_SERVER_RUNTIME_* variables (see `apsup check-config`).",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def with_db(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--db", help="database URL (default: ..._DATABASE_URL or ./var/apsup.db)")
+
+    def with_app(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--app", action="append", default=[], help="module declaring @family processors"
+        )
+
+    p = sub.add_parser("run", help="run the configured role and mode")
+    with_app(p)
+    with_db(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("migrate", help="create/upgrade the schema (alembic upgrade)")
+    with_db(p)
+    p.add_argument("--revision", default="head")
+    p.set_defaults(func=cmd_migrate)
+
+    p = sub.add_parser("check-config", help="print the effective configuration (no secrets)")
+    with_app(p)
+    with_db(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_check_config)
+
+    p = sub.add_parser("status", help="per-family view: capacity, ready, retry-wait, requests")
+    with_db(p)
+    p.add_argument("--url", help="status endpoint of the running host (http://127.0.0.1:PORT)")
+    p.add_argument("--once", action="store_true", help="print once and exit")
+    p.add_argument("--json", action="store_true", help="print JSON once and exit")
+    p.add_argument("--interval", type=float, default=1.0)
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("trigger", help="accept an explicit request for FAMILY SCOPE")
+    with_app(p)
+    with_db(p)
+    p.add_argument("family")
+    p.add_argument("scope")
+    p.set_defaults(func=cmd_trigger)
+
+    p = sub.add_parser("demo", help="run a demo workload on SQLite with a live view")
+    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--db-path", default="var/demo.db")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("maintenance", help="maintenance procedures (run with all hosts stopped)")
+    msub = p.add_subparsers(dest="maintenance", required=True)
+    m = msub.add_parser("switch-mode", help="invalidate old-mode terms (RFC §9)")
+    with_app(m)
+    with_db(m)
+    m.add_argument("--to", required=True, choices=["global", "dedicated"])
+    m.set_defaults(func=cmd_switch_mode)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=logging.DEBUG if args.verbose else logging.INFO,
+            format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        )
+    try:
+        return int(args.func(args))
+    except HostConflictError as exc:
+        print(f"apsup: {exc}", file=sys.stderr)
+        return EXIT_HOST_CONFLICT
+    except ConfigError as exc:
+        print(f"apsup: configuration error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except ApsupError as exc:
+        print(f"apsup: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

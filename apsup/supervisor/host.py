@@ -1,0 +1,231 @@
+"""The host loop: one thread that drives one or more Supervisors and their Worker pool.
+
+It sleeps until the earliest of: a Worker exit (pool sentinels), a control notification, a
+signal, a schedule/retry deadline, a Worker timeout, and on MySQL the renewal and bounded
+request-polling deadlines. On SQLite nothing else wakes it: no idle database polling (RFC §8).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import FrameType
+
+from multiprocess.connection import wait
+
+from apsup.store import SqlBackend
+from apsup.store.leases import new_holder_id
+from apsup.supervisor.control import ControlChannel
+from apsup.supervisor.supervisor import Supervisor
+from apsup.workers.pool import WorkerPool
+
+log = logging.getLogger("apsup.host")
+
+
+@dataclass(frozen=True)
+class LeasePolicy:
+    """Lease timing for elected backends (ignored on SQLite, whose terms never expire)."""
+
+    lease_seconds: float = 15.0
+    renew_seconds: float = 5.0
+    poll_seconds: float = 2.0
+
+
+class Host:
+    def __init__(
+        self,
+        supervisors: list[Supervisor],
+        backend: SqlBackend,
+        pool: WorkerPool,
+        *,
+        lease: LeasePolicy | None = None,
+        control: ControlChannel | None = None,
+        shutdown_grace: float = 10.0,
+        on_cycle: Callable[[Host], None] | None = None,
+    ) -> None:
+        self.supervisors = supervisors
+        self.backend = backend
+        self.pool = pool
+        self.lease = lease or LeasePolicy()
+        self.control = control
+        self.shutdown_grace = shutdown_grace
+        self.on_cycle = on_cycle
+        self.elected = backend.name != "sqlite"
+        self.holder_id = new_holder_id()
+        self.stopping = threading.Event()
+        self.heartbeat = time.monotonic()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._next_renew = 0.0
+        self._next_poll = 0.0
+        self._last_renewed: dict[str, float] = {}
+
+    # -- control ------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Request a graceful shutdown (thread- and signal-safe)."""
+        self.stopping.set()
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+
+    def wake(self) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"w")
+
+    def install_signal_handlers(self) -> None:
+        def handler(signum: int, frame: FrameType | None) -> None:
+            self.stop()
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    # -- leadership ---------------------------------------------------------------------------
+    def _claim(self, sup: Supervisor) -> None:
+        term = self.backend.claim_term(sup.key, self.holder_id, self.lease.lease_seconds)
+        if term is not None:
+            self._last_renewed[sup.key] = time.monotonic()
+            sup.become_leader(term)
+
+    def _terminate_workers(self, sup: Supervisor) -> None:
+        if not sup.running:
+            return
+        for ex in self.pool.terminate_all(self.shutdown_grace):
+            for s in self.supervisors:
+                if s.owns(ex.worker_id):
+                    s.on_exit(ex)
+
+    def _maintain_leases(self, now: float) -> None:
+        if not self.elected:
+            return
+        for sup in self.supervisors:
+            # A renewal that is late by most of the lease means we may already be replaced.
+            late = now - self._last_renewed.get(sup.key, now) > self.lease.lease_seconds * 0.8
+            if sup.term is not None and late:
+                sup.lose_leadership("renewal late")
+                self._terminate_workers(sup)
+        if now < self._next_renew:
+            return
+        self._next_renew = now + self.lease.renew_seconds
+        for sup in self.supervisors:
+            try:
+                if sup.term is None:
+                    self._claim(sup)
+                elif self.backend.renew_term(sup.term, self.lease.lease_seconds):
+                    self._last_renewed[sup.key] = now
+                    sup.sync_clock()
+                else:
+                    sup.lose_leadership("renewal refused")
+                    self._terminate_workers(sup)
+            except Exception as exc:  # database unreachable: keep trying; standby stays healthy
+                log.warning(
+                    "lease step failed",
+                    extra={"supervisor_key": sup.key, "exception_type": type(exc).__name__},
+                )
+
+    # -- loop ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Establish terms (SQLite: always; MySQL: when the Lease is free)."""
+        for sup in self.supervisors:
+            try:
+                self._claim(sup)
+            except Exception as exc:
+                if not self.elected:
+                    raise
+                log.warning(
+                    "initial claim failed",
+                    extra={"supervisor_key": sup.key, "exception_type": type(exc).__name__},
+                )
+        self._next_renew = time.monotonic() + self.lease.renew_seconds
+        self._next_poll = time.monotonic() + self.lease.poll_seconds
+
+    def cycle(self, max_wait: float | None = None) -> None:
+        """One iteration: act on everything due, then sleep until the next reason to wake."""
+        now = time.monotonic()
+        self.heartbeat = now
+        for ex in self.pool.poll():
+            for sup in self.supervisors:
+                if sup.owns(ex.worker_id):
+                    sup.on_exit(ex)
+        if self.control is not None:
+            for family in self.control.drain():
+                for sup in self.supervisors:
+                    sup.notify(family)
+        if self.elected and now >= self._next_poll:
+            self._next_poll = now + self.lease.poll_seconds
+            for sup in self.supervisors:
+                sup.notify_all()  # bounded polling for cross-process requests
+        self._maintain_leases(now)
+        for sup in self.supervisors:
+            sup.step()
+        if self.on_cycle is not None:
+            self.on_cycle(self)
+        self._sleep(max_wait)
+
+    def _sleep(self, max_wait: float | None) -> None:
+        timeout = self._timeout()
+        if max_wait is not None:
+            timeout = max_wait if timeout is None else min(timeout, max_wait)
+        objects: list[int] = [self._wake_r, *self.pool.sentinels()]
+        if self.control is not None:
+            objects.append(self.control.fileno())
+        wait(objects, timeout)
+        with contextlib.suppress(OSError):
+            while os.read(self._wake_r, 512):
+                pass
+
+    def _timeout(self) -> float | None:
+        candidates: list[float] = []
+        mono = time.monotonic()
+        for sup in self.supervisors:
+            due = sup.next_wakeup()
+            if due is not None:
+                candidates.append((due - sup.now()).total_seconds())
+        deadline = self.pool.next_deadline()
+        if deadline is not None:
+            candidates.append(deadline - mono)
+        if self.elected:
+            candidates.append(self._next_renew - mono)
+            candidates.append(self._next_poll - mono)
+        if not candidates:
+            return None
+        return max(0.0, min(candidates))
+
+    def run(self) -> None:
+        self.start()
+        try:
+            while not self.stopping.is_set():
+                self.cycle()
+        finally:
+            self.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop discovery and dispatch, stop Workers within a bound, release the terms.
+
+        Unacknowledged requests stay durable; clearing the queues completes nothing (RFC §9).
+        """
+        terms = [(sup, sup.term) for sup in self.supervisors]
+        for sup in self.supervisors:
+            sup.core = None  # no more decisions
+        for ex in self.pool.terminate_all(self.shutdown_grace):
+            for sup in self.supervisors:
+                if sup.owns(ex.worker_id):
+                    sup.on_exit(ex)
+        for sup, term in terms:
+            if term is not None:
+                try:
+                    self.backend.release_term(term)
+                except Exception as exc:
+                    log.warning(
+                        "release failed",
+                        extra={"supervisor_key": sup.key, "exception_type": type(exc).__name__},
+                    )
+                sup.term = None
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)

@@ -1,0 +1,114 @@
+"""Organises Supervisors by mode: ``global`` (one key for all families) or ``dedicated``
+(one key per family, ``artifact:<family>``).
+
+On SQLite every Supervisor lives in the single host process (the host lock refuses a second
+one). On MySQL, ``global`` runs one Supervisor here; ``dedicated`` forks one Supervisor process
+per family, restarts a crashed one with backoff, and stops all of them on shutdown.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from apsup.errors import ConfigError
+from apsup.registry import Family
+from apsup.store import SqlBackend, open_backend
+from apsup.store.leases import GLOBAL_KEY, dedicated_key
+from apsup.supervisor.control import ControlChannel, HostLock
+from apsup.supervisor.host import Host, LeasePolicy
+from apsup.supervisor.supervisor import Hooks, Supervisor
+from apsup.workers.pool import WorkerPool
+
+log = logging.getLogger("apsup.launcher")
+
+MODES = ("global", "dedicated")
+
+
+def supervisor_groups(mode: str, families: Sequence[Family]) -> list[tuple[str, list[Family]]]:
+    """Lease keys and the families each one schedules; users never name groups (RFC §8)."""
+    if mode == "global":
+        return [(GLOBAL_KEY, list(families))]
+    if mode == "dedicated":
+        return [(dedicated_key(f.name), [f]) for f in families]
+    raise ConfigError(f"unknown mode {mode!r}: use 'global' or 'dedicated'")
+
+
+@dataclass
+class HostBundle:
+    """Everything one host process owns, so it can be closed in order."""
+
+    host: Host
+    backend: SqlBackend
+    pool: WorkerPool
+    lock: HostLock | None = None
+    control: ControlChannel | None = None
+    closers: list[Callable[[], None]] = field(default_factory=list)
+
+    def close(self) -> None:
+        for closer in reversed(self.closers):
+            try:
+                closer()
+            except Exception:  # pragma: no cover - best effort on the way out
+                log.exception("close step failed")
+        self.pool.close()
+        self.backend.dispose()
+        if self.control is not None:
+            self.control.close()
+        if self.lock is not None:
+            self.lock.release()
+
+
+def build_host(
+    database_url: str,
+    families: Sequence[Family],
+    *,
+    mode: str = "global",
+    lease: LeasePolicy | None = None,
+    worker_settings: dict[str, str] | None = None,
+    hooks: Hooks | None = None,
+    shutdown_grace: float = 10.0,
+    grace_seconds: float = 5.0,
+) -> HostBundle:
+    """A host running every Supervisor of ``mode`` for ``families`` in this process."""
+    if not families:
+        raise ConfigError("no family to schedule")
+    backend = open_backend(database_url)
+    lock: HostLock | None = None
+    control: ControlChannel | None = None
+    try:
+        if backend.name == "sqlite":
+            lock = HostLock(database_url)
+            lock.acquire()
+            control = ControlChannel(database_url)
+        modules = sorted({f.entry_point.split(":", 1)[0] for f in families})
+        pool = WorkerPool(modules, grace_seconds=grace_seconds)
+    except BaseException:
+        if control is not None:
+            control.close()
+        if lock is not None:
+            lock.release()
+        backend.dispose()
+        raise
+    supervisors = [
+        Supervisor(
+            key,
+            group,
+            backend,
+            pool,
+            database_url=database_url,
+            worker_settings=worker_settings,
+            hooks=hooks,
+        )
+        for key, group in supervisor_groups(mode, families)
+    ]
+    host = Host(
+        supervisors,
+        backend,
+        pool,
+        lease=lease,
+        control=control,
+        shutdown_grace=shutdown_grace,
+    )
+    return HostBundle(host=host, backend=backend, pool=pool, lock=lock, control=control)

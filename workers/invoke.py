@@ -1,0 +1,58 @@
+"""Child-side processor wrapper: the Worker pool's target for every Scope invocation.
+
+Input is only the serialized ExecutionContext. The wrapper rebuilds what it needs from it,
+skips duplicate invocations (handled >= G consumes no new input, RFC §5), runs the processor
+and, when the processor returned without acknowledging, acknowledges in a final fenced
+transaction. The exit code tells the Supervisor what happened; the Supervisor still verifies the
+durable acknowledgment itself before counting an exit 0 as success.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from apsup.context import ExecutionContext, dispose_backends
+from apsup.errors import ConfigError, ContextError, ProgressConflict, StaleTermError
+from apsup.registry import resolve_entry_point
+from apsup.workers.exit_codes import ExitCode
+
+TARGET = "apsup.workers.invoke:run"
+
+
+def _say(kind: str, exc: BaseException) -> None:
+    # Only the exception type and a short, single-line message: never payloads or Source text.
+    message = str(exc).splitlines()[0][:200] if str(exc) else ""
+    print(f"apsup worker: {kind}: {type(exc).__name__}: {message}", file=sys.stderr, flush=True)
+
+
+def run(payload: bytes) -> int:
+    try:
+        ctx = ExecutionContext.from_bytes(payload)
+    except ContextError as exc:
+        _say("bad context", exc)
+        return ExitCode.BAD_CONTEXT
+    os.environ.update(ctx.settings)
+    try:
+        fam = resolve_entry_point(ctx.entry_point)
+        if ctx.already_handled():
+            return ExitCode.SUCCESS
+        fam.processor(ctx.scope_id, ctx)
+        if not ctx.acknowledged:
+            with ctx.fenced() as conn:
+                ctx.acknowledge(conn)
+        return ExitCode.SUCCESS
+    except ProgressConflict as exc:
+        _say("progress conflict", exc)
+        return ExitCode.PROGRESS_CONFLICT
+    except StaleTermError as exc:
+        _say("stale term", exc)
+        return ExitCode.STALE_TERM
+    except ConfigError as exc:
+        _say("configuration", exc)
+        return ExitCode.BAD_CONTEXT
+    except Exception as exc:
+        _say("processor failed", exc)
+        return ExitCode.PROCESSOR_FAILURE
+    finally:
+        dispose_backends()
