@@ -202,7 +202,7 @@ class _Family:
         self.degraded = False
         self.last_error_stage: str | None = None
         self.errors = 0
-        self.retry_turn = True  # alternation between due retries and discovery for ready room
+        self.retry_turn = True  # due retries and discovered keys alternate filling ready room
         self.requests_turn = True  # alternation between request discovery and the scan
 
     def has_room(self) -> bool:
@@ -325,13 +325,10 @@ class Scheduler:
             discovery = self._discovery(f, now)
             retry_due = bool(f.waiting) and f.waiting[0][0] <= now
             if retry_due and (discovery is None or f.retry_turn):
-                # Due retries/successors and discovery take turns for ready room, so neither
-                # has unlimited priority over the other (RFC §2 fairness).
+                # Due retries/successors and discovered keys take turns filling ready room, so
+                # neither has unlimited priority over the other (RFC §2 fairness).
                 self._promote(f)
-                f.retry_turn = False
                 continue
-            if discovery is not None:
-                f.retry_turn = True
             return discovery
 
     def _issue(self, f: _Family, decision: Decision) -> None:
@@ -395,6 +392,7 @@ class Scheduler:
         key = f.keys[scope]
         key.state = KeyState.READY
         f.ready.append(scope)
+        f.retry_turn = False
 
     # --- events ----------------------------------------------------------------------------------
 
@@ -589,6 +587,7 @@ class Scheduler:
             return  # busy: its current occupant will read the latest requested generation
         f.keys[scope_id] = _Key(KeyState.READY, reason)
         f.ready.append(scope_id)
+        f.retry_turn = True  # a discovered key took a slot: the next one goes to a due retry
 
     def _requeue(
         self, f: _Family, scope_id: str, key: _Key, reason: DispatchReason, now: datetime
