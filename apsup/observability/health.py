@@ -1,0 +1,254 @@
+"""One small HTTP server per process: ``/healthz``, ``/readyz``, ``/metrics``, ``/status``.
+
+stdlib ``ThreadingHTTPServer`` on a daemon thread, bound to 127.0.0.1 unless told otherwise
+(``prometheus_client.start_http_server`` would bind 0.0.0.0). Handlers only read: a
+``Heartbeat`` the loop touches, the metrics registry, and a ``StatusProvider`` snapshot, so a
+slow or failing scrape can never stall scheduling.
+
+- ``/healthz`` liveness: 200 while the loop heartbeat is younger than ``liveness_timeout``,
+  else 503. Without a heartbeat or provider (metrics-only server) it reports the process up.
+- ``/readyz``: ``evaluate_readiness`` of the snapshot; 503 only for ``down`` (a healthy standby
+  answers 200 with status ``standby``).
+- ``/metrics``: Prometheus exposition, format negotiated from ``Accept`` by prometheus-client.
+- ``/status``: the raw snapshot, for ``apsup status``.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import orjson
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+
+from apsup.observability.logging import redact
+from apsup.observability.metrics import SupervisorMetrics
+from apsup.observability.status import (
+    StatusProvider,
+    StatusSnapshot,
+    SupervisorStatus,
+    evaluate_readiness,
+)
+
+_log = logging.getLogger(__name__)
+
+JSON = "application/json"
+
+
+class Heartbeat:
+    """Monotonic timestamp of the loop's last iteration; ``beat()`` is one float store.
+
+    Starts beaten, so a freshly started process gets ``liveness_timeout`` of grace.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._last = clock()
+
+    def beat(self) -> None:
+        self._last = self._clock()
+
+    def age(self) -> float:
+        return max(0.0, self._clock() - self._last)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    app: HealthServer
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        _log.debug("health server request from %s failed", client_address, exc_info=True)
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    timeout = 10  # a stuck client must not hold a handler thread forever
+
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0].rstrip("/") or "/"
+        try:
+            code, ctype, body = self.server.app.respond(path, self.headers.get("Accept", ""))
+        except Exception as exc:  # never let a handler bug take the server down
+            code, ctype = 500, JSON
+            body = orjson.dumps({"error": redact(f"{type(exc).__name__}: {exc}")[:200]})
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        _log.debug("health %s " + format, self.client_address[0], *args)
+
+
+class HealthServer:
+    """Serves the process's health, readiness, metrics and status; ``start()``/``stop()``."""
+
+    def __init__(
+        self,
+        *,
+        metrics: SupervisorMetrics | CollectorRegistry | None = None,
+        status: StatusProvider | None = None,
+        heartbeat: Heartbeat | None = None,
+        liveness_timeout: float = 30.0,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        self.registry = metrics.registry if isinstance(metrics, SupervisorMetrics) else metrics
+        self.status = status
+        self.heartbeat = heartbeat
+        self.liveness_timeout = liveness_timeout
+        self._bind = (host, port)
+        self._httpd: _Server | None = None
+        self._thread: threading.Thread | None = None
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> int:
+        """Bind and serve on a daemon thread; returns the bound port (useful with port 0)."""
+        if self._httpd is None:
+            cls = _Server6 if ":" in self._bind[0] else _Server
+            httpd = cls(self._bind, _Handler)
+            httpd.app = self
+            self._httpd = httpd
+            self._thread = threading.Thread(
+                target=httpd.serve_forever, name="apsup-health", daemon=True
+            )
+            self._thread.start()
+        return self.port
+
+    def stop(self) -> None:
+        httpd, thread = self._httpd, self._thread
+        self._httpd = self._thread = None
+        if httpd is not None:
+            httpd.shutdown()
+            httpd.server_close()
+        if thread is not None:
+            thread.join(timeout=5)
+
+    def __enter__(self) -> HealthServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        if self._httpd is None:
+            raise RuntimeError("HealthServer is not started")
+        host, port = self._httpd.server_address[:2]
+        return str(host), int(port)
+
+    @property
+    def port(self) -> int:
+        return self.address[1]
+
+    # --- responses ---------------------------------------------------------------------------
+
+    def _snapshot(self) -> tuple[StatusSnapshot | None, str | None]:
+        if self.status is None:
+            return None, "no status provider"
+        try:
+            snap = self.status()
+        except Exception as exc:
+            return None, redact(f"status provider failed: {type(exc).__name__}: {exc}")[:200]
+        if self.heartbeat is not None:
+            snap = {**snap, "heartbeat_age": self.heartbeat.age()}
+        return snap, None
+
+    def _liveness(self) -> tuple[int, bytes]:
+        if self.heartbeat is not None:
+            age: float | None = self.heartbeat.age()
+        elif self.status is not None:
+            snap, error = self._snapshot()
+            if snap is None:
+                return 503, orjson.dumps({"status": "down", "reason": error})
+            age = snap["heartbeat_age"]
+        else:
+            return 200, orjson.dumps({"status": "ok", "heartbeat_age": None})
+        alive = age is not None and age <= self.liveness_timeout
+        body = {"status": "ok" if alive else "down", "heartbeat_age": age}
+        return (200 if alive else 503), orjson.dumps(body)
+
+    def respond(self, path: str, accept: str) -> tuple[int, str, bytes]:
+        """(HTTP code, content type, body) for a GET of ``path``."""
+        if path == "/healthz":
+            code, body = self._liveness()
+            return code, JSON, body
+        if path == "/readyz" and self.status is not None:
+            snap, error = self._snapshot()
+            age = snap["heartbeat_age"] if snap is not None else None
+            ready = evaluate_readiness(
+                snap, heartbeat_age=age, liveness_timeout=self.liveness_timeout, error=error
+            )
+            return (503 if ready["status"] == "down" else 200), JSON, orjson.dumps(ready)
+        if path == "/status" and self.status is not None:
+            snap, error = self._snapshot()
+            if snap is None:
+                return 503, JSON, orjson.dumps({"error": error})
+            return 200, JSON, orjson.dumps(snap, default=str)
+        if path == "/metrics" and self.registry is not None:
+            encoder, ctype = choose_encoder(accept)
+            return 200, ctype, encoder(self.registry)
+        return 404, JSON, orjson.dumps({"error": f"no such endpoint: {path[:64]}"})
+
+
+def fan_in(
+    urls: Sequence[str], *, timeout: float = 2.0, liveness_timeout: float = 30.0
+) -> StatusProvider:
+    """A StatusProvider merging the ``/status`` of dedicated per-Family Supervisor processes.
+
+    The launcher serves it on its own port so one probe covers the host. A child that does not
+    answer, or whose loop heartbeat is stale, contributes a Supervisor with ``lease_error`` set,
+    which readiness reports as ``down`` for that child (``degraded`` overall while others run).
+    """
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via a proxy
+
+    def provide() -> StatusSnapshot:
+        merged: StatusSnapshot = {
+            "role": "background",
+            "mode": "dedicated",
+            "supervisors": [],
+            "heartbeat_age": None,
+        }
+        for url in urls:
+            try:
+                with opener.open(url.rstrip("/") + "/status", timeout=timeout) as resp:
+                    child: StatusSnapshot = orjson.loads(resp.read())
+            except Exception as exc:
+                merged["supervisors"].append(_unreachable(url, f"{type(exc).__name__}: {exc}"))
+                continue
+            merged["role"], merged["mode"] = child["role"], child["mode"]
+            age = child.get("heartbeat_age")
+            stale = age is None or age > liveness_timeout
+            for sup in child["supervisors"]:
+                if stale:
+                    sup = {**sup, "lease_error": f"loop heartbeat stale at {url}"}
+                merged["supervisors"].append(sup)
+        return merged
+
+    return provide
+
+
+def _unreachable(url: str, error: str) -> SupervisorStatus:
+    return {
+        "key": f"unreachable:{url}",
+        "leader": False,
+        "holder": None,
+        "generation": None,
+        "families": {},
+        "lease_error": redact(f"status endpoint unreachable: {error}")[:200],
+    }

@@ -1,0 +1,268 @@
+"""Prometheus metrics for the Supervisor, labelled by Family only (RFC §12).
+
+Why hooks instead of handing out metric objects: the hook signatures accept a Family name (and a
+bounded ``cause`` enum, and a ``supervisor_key`` which is bounded by the number of Families), so
+a Scope, Worker or request id cannot become a label by accident. Every hook swallows its own
+exceptions: a metrics failure must never break scheduling.
+
+Each ``SupervisorMetrics`` owns a private ``CollectorRegistry`` (not the process-global default),
+so two instances in one process (tests, ``global`` with several Supervisors) never collide.
+
+Dedicated mode (one Supervisor process per Family): **one endpoint per process**. Each
+per-Family Supervisor process owns its ``SupervisorMetrics`` and serves it from its own
+``HealthServer`` on ``supervisor_port(base_port, index)`` = ``base_port + 1 + index`` (``index``
+= position of the Family in the sorted registered names, identical on every replica); the
+launcher keeps ``base_port`` for its own liveness and a fan-in ``/readyz``/``/status``
+(``apsup.observability.health.fan_in``). Prometheus scrapes ``base_port+1 .. base_port+N``.
+Chosen over ``PROMETHEUS_MULTIPROC_DIR`` because multiprocess mode decides its value storage when
+``prometheus_client`` is first imported (a forked child inherits the parent's choice), needs the
+directory wiped at startup and ``mark_process_dead`` on every restart, and shares mmap files
+between processes; per-process endpoints share nothing, a crashed child only loses its own
+counters (Prometheus ``rate()`` handles the reset) and the restarted child rebinds the same port.
+With ``base_port == 0`` every server takes an ephemeral port (tests).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterable
+from enum import StrEnum
+from typing import TYPE_CHECKING, ParamSpec
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from apsup.observability.health import HealthServer
+
+_log = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+
+UNKNOWN_FAMILY = "_unknown"
+
+DISCOVERY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600)
+
+
+class FailureCause(StrEnum):
+    """Why an invocation ended unsuccessfully; the only values of the ``cause`` label.
+
+    ``conflict`` (ProgressConflict) is redispatched without counting a backoff failure (RFC §7)
+    but is still an unsuccessful exit worth counting.
+    """
+
+    FAILURE = "failure"  # processor raised / non-zero exit
+    TIMEOUT = "timeout"  # deadline passed, Worker stopped
+    CONFLICT = "conflict"  # processor's own progress CAS lost a race
+    STALE_TERM = "stale_term"  # fenced commit refused: the term changed
+    NO_ACK = "no_ack"  # exit 0 without durable acknowledgment
+    CRASH = "crash"  # killed by a signal / vanished
+
+
+def supervisor_port(base_port: int, index: int | None) -> int:
+    """Port for the launcher (``index=None``) or the ``index``-th dedicated Supervisor."""
+    if base_port == 0:
+        return 0
+    return base_port if index is None else base_port + 1 + index
+
+
+def _never_raises(fn: Callable[P, None]) -> Callable[P, None]:
+    """Hooks run inside the scheduling loop: log a failure once per hook and carry on."""
+    warned = False
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> None:
+        nonlocal warned
+        try:
+            fn(*args, **kwargs)
+        except Exception:
+            if not warned:
+                warned = True
+                _log.warning("metrics hook %s failed; further failures are silent", fn.__name__)
+
+    return wrapper
+
+
+class SupervisorMetrics:
+    """All ``apsup_*`` series of one process, plus the hooks the Supervisor loop calls.
+
+    ``families``, when given, pre-creates every series at zero (dashboards see a Family before
+    its first event) and maps any other name to ``_unknown``: a mistaken Scope id passed as a
+    Family cannot add a series.
+    """
+
+    def __init__(
+        self, registry: CollectorRegistry | None = None, *, families: Iterable[str] | None = None
+    ) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._families = frozenset(families) if families is not None else None
+        self._generations: dict[str, int] = {}
+        self._server: HealthServer | None = None
+        r = self.registry
+        fam = ("family",)
+        self.capacity_budget = Gauge(
+            "apsup_capacity_budget", "Worker budget (max_workers) per Family.", fam, registry=r
+        )
+        self.capacity_used = Gauge(
+            "apsup_capacity_used", "Workers currently running per Family.", fam, registry=r
+        )
+        self.ready = Gauge("apsup_ready_scopes", "Scopes in the ready queue.", fam, registry=r)
+        self.retry_wait = Gauge(
+            "apsup_retry_wait_scopes", "Scopes waiting for their retry time.", fam, registry=r
+        )
+        self.unacknowledged = Gauge(
+            "apsup_unacknowledged_requests",
+            "Intents with requested_generation > handled_generation (last DB count).",
+            fam,
+            registry=r,
+        )
+        self.discovery_seconds = Histogram(
+            "apsup_discovery_latency_seconds",
+            "Duration of one bounded discovery query/page.",
+            fam,
+            buckets=DISCOVERY_BUCKETS,
+            registry=r,
+        )
+        self.invocation_seconds = Histogram(
+            "apsup_invocation_duration_seconds",
+            "Worker invocation wall time, launch to confirmed exit.",
+            fam,
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.successes = Counter(
+            "apsup_invocation_successes", "Invocations acknowledged successfully.", fam, registry=r
+        )
+        self.failures = Counter(
+            "apsup_invocation_failures",
+            "Unsuccessful invocations by cause.",
+            ("family", "cause"),
+            registry=r,
+        )
+        self.timeouts = Counter(
+            "apsup_invocation_timeouts", "Invocations stopped at their deadline.", fam, registry=r
+        )
+        self.scans_started = Counter(
+            "apsup_scans_started", "Automatic scans started.", fam, registry=r
+        )
+        self.scans_completed = Counter(
+            "apsup_scans_completed", "Automatic scans completed.", fam, registry=r
+        )
+        self.dispatches = Counter("apsup_dispatches", "Workers launched.", fam, registry=r)
+        key = ("supervisor_key",)
+        self.leader = Gauge(
+            "apsup_supervisor_leader",
+            "1 while this process leads the key, else 0.",
+            key,
+            registry=r,
+        )
+        self.generation = Gauge(
+            "apsup_supervisor_generation", "Last observed lease generation.", key, registry=r
+        )
+        self.term_changes = Counter(
+            "apsup_supervisor_term_changes", "Observed lease generation changes.", key, registry=r
+        )
+        for name in self._families or ():
+            self._init_family(name)
+
+    def _init_family(self, name: str) -> None:
+        for metric in (
+            self.capacity_budget,
+            self.capacity_used,
+            self.ready,
+            self.retry_wait,
+            self.unacknowledged,
+            self.discovery_seconds,
+            self.invocation_seconds,
+            self.successes,
+            self.timeouts,
+            self.scans_started,
+            self.scans_completed,
+            self.dispatches,
+        ):
+            metric.labels(name)
+        for cause in FailureCause:
+            self.failures.labels(name, cause.value)
+
+    def _family(self, family: str) -> str:
+        if self._families is not None and family not in self._families:
+            return UNKNOWN_FAMILY
+        return str(family)
+
+    # --- hooks (cheap, never raise) -----------------------------------------------------------
+
+    @_never_raises
+    def on_dispatch(self, family: str) -> None:
+        self.dispatches.labels(self._family(family)).inc()
+
+    @_never_raises
+    def on_exit(self, family: str, cause: FailureCause | str | None, duration: float) -> None:
+        """Record a confirmed Worker exit; ``cause=None`` is success. Unknown causes -> failure."""
+        f = self._family(family)
+        self.invocation_seconds.labels(f).observe(max(0.0, float(duration)))
+        if cause is None:
+            self.successes.labels(f).inc()
+            return
+        try:
+            c = FailureCause(cause)
+        except ValueError:
+            c = FailureCause.FAILURE
+        self.failures.labels(f, c.value).inc()
+        if c is FailureCause.TIMEOUT:
+            self.timeouts.labels(f).inc()
+
+    @_never_raises
+    def on_scan_started(self, family: str) -> None:
+        self.scans_started.labels(self._family(family)).inc()
+
+    @_never_raises
+    def on_scan_completed(self, family: str) -> None:
+        self.scans_completed.labels(self._family(family)).inc()
+
+    @_never_raises
+    def observe_discovery(self, family: str, seconds: float) -> None:
+        self.discovery_seconds.labels(self._family(family)).observe(max(0.0, float(seconds)))
+
+    @_never_raises
+    def set_leadership(self, key: str, leader: bool, generation: int) -> None:
+        """Publish this process's view of one lease; a new generation counts as a term change."""
+        k = str(key)
+        self.leader.labels(k).set(1 if leader else 0)
+        self.generation.labels(k).set(int(generation))
+        if self._generations.get(k) != generation:
+            self._generations[k] = generation
+            self.term_changes.labels(k).inc()
+
+    @_never_raises
+    def update_family(
+        self, family: str, budget: int, running: int, ready: int, retry_wait: int
+    ) -> None:
+        f = self._family(family)
+        self.capacity_budget.labels(f).set(budget)
+        self.capacity_used.labels(f).set(running)
+        self.ready.labels(f).set(ready)
+        self.retry_wait.labels(f).set(retry_wait)
+
+    @_never_raises
+    def set_unacknowledged(self, family: str, n: int) -> None:
+        self.unacknowledged.labels(self._family(family)).set(n)
+
+    # --- standalone exposition -----------------------------------------------------------------
+
+    def serve(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Serve ``/metrics`` (and ``/healthz``) alone; returns the bound port.
+
+        Prefer one ``HealthServer(metrics=...)`` per process, which serves this too.
+        """
+        from apsup.observability.health import HealthServer
+
+        if self._server is None:
+            self._server = HealthServer(metrics=self, host=host, port=port)
+            self._server.start()
+        return self._server.port
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
