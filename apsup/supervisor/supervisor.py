@@ -8,6 +8,7 @@ control event that stops everything of this Supervisor (RFC §1, §7, §8).
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import time
@@ -19,7 +20,7 @@ from sqlalchemy import Connection
 
 from apsup.context import ExecutionContext
 from apsup.errors import StaleTermError
-from apsup.registry import Family
+from apsup.registry import Family, Reconciler
 from apsup.scheduling import (
     Admit,
     BindingState,
@@ -41,6 +42,10 @@ from apsup.workers.invoke import TARGET
 from apsup.workers.pool import WorkerExit, WorkerPool
 
 log = logging.getLogger("apsup.supervisor")
+
+
+def _reconcile_page(reconcile: Reconciler, fam: Family, token: object, conn: Connection) -> object:
+    return reconcile(conn, fam, token)
 
 
 @dataclass
@@ -122,6 +127,7 @@ class Supervisor:
                 f.name: scans.ensure_state(conn, f.binding_name) for f in self.families.values()
             }
 
+        self.reconcile()
         for name, st in self.backend.run_fenced(term, load).items():
             self.core.restore(
                 name,
@@ -136,6 +142,33 @@ class Supervisor:
             "term established",
             extra={"supervisor_key": self.key, "term": term.generation, "holder": term.holder_id},
         )
+
+    def reconcile(self, max_pages: int = 1000) -> None:
+        """Run each family's reconciler page by page (RFC §11): it rebuilds dirty state from
+        bounded domain facts and never accepts requests, so disabled admission stays disabled."""
+        for fam in self.families.values():
+            reconcile = fam.reconcile
+            if reconcile is None:
+                continue
+            token: object = None
+            for _ in range(max_pages):
+                try:
+                    token = self.backend.run(
+                        functools.partial(_reconcile_page, reconcile, fam, token)
+                    )
+                except Exception as exc:
+                    self.degraded[fam.name] = f"reconcile: {type(exc).__name__}"
+                    log.error(
+                        "reconciliation failed",
+                        extra={
+                            "family": fam.name,
+                            "stage": "reconcile",
+                            "exception_type": type(exc).__name__,
+                        },
+                    )
+                    break
+                if token is None:
+                    break
 
     def lose_leadership(self, reason: str) -> None:
         """Stop dispatch at once; Workers are terminated by the host (their commits are fenced)."""
