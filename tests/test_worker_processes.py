@@ -1,0 +1,386 @@
+"""Worker processes for real: forkserver launches, exit codes, timeouts, signals, confirmation.
+
+Every test uses real processes and real signals (targets in tests/worker_targets.py). No timing
+assertion is tighter than "well before 30 s".
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from multiprocess.connection import wait
+
+from apsup.errors import ConfigError
+from apsup.workers import ExitCode, WorkerExit, WorkerPool
+
+pytestmark = pytest.mark.timeout(120)
+
+T = "tests.worker_targets"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+LIMIT = 30.0  # generous bound for anything that must "happen"
+
+
+def payload(**kwargs: Any) -> bytes:
+    return orjson.dumps(kwargs)
+
+
+def drive(pool: WorkerPool, worker_ids: set[str], limit: float = LIMIT) -> dict[str, WorkerExit]:
+    """Run the owner loop (wait on sentinels / next deadline, then poll) until these exit."""
+    exits: dict[str, WorkerExit] = {}
+    end = time.monotonic() + limit
+    while not worker_ids <= exits.keys():
+        now = time.monotonic()
+        assert now < end, f"workers {worker_ids - exits.keys()} did not exit within {limit}s"
+        deadline = pool.next_deadline()
+        timeout = 0.2 if deadline is None else min(max(deadline - now, 0.0), 0.2)
+        wait(pool.sentinels(), timeout)
+        exits.update((e.worker_id, e) for e in pool.poll())
+    return exits
+
+
+def wait_until(predicate: Callable[[], bool], what: str, limit: float = LIMIT) -> None:
+    end = time.monotonic() + limit
+    while not predicate():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def started(path: Path) -> Callable[[], bool]:
+    return lambda: "started" in lines(path)
+
+
+def process_state(pid: int) -> str | None:
+    """Kernel state letter of ``pid`` (``Z`` = zombie), ``None`` if it no longer exists."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def is_dead(pid: int) -> bool:
+    return process_state(pid) in (None, "Z", "X")
+
+
+@pytest.fixture
+def pool() -> Iterator[WorkerPool]:
+    p = WorkerPool([T], grace_seconds=1.0, confirm_seconds=1.0)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+# --- outcomes ------------------------------------------------------------------------------------
+
+
+def test_success_and_handle_bookkeeping(pool: WorkerPool) -> None:
+    handle = pool.launch("w1", f"{T}:ok", b"{}", timeout=LIMIT)
+    assert handle.pid > 0 and handle.worker_id == "w1" and handle.state == "running"
+    assert handle.deadline == pytest.approx(handle.started + LIMIT)
+    assert pool.running() == [handle] and handle.sentinel in pool.sentinels()
+    assert pool.next_deadline() == handle.deadline
+    ex = drive(pool, {"w1"})["w1"]
+    assert (ex.exitcode, ex.signal, ex.timed_out, ex.terminated) == (0, None, False, False)
+    assert ex.pid == handle.pid and 0 <= ex.duration < LIMIT and ex.reason == "SUCCESS"
+    assert pool.running() == [] and pool.sentinels() == [] and pool.next_deadline() is None
+
+
+@pytest.mark.parametrize(
+    ("target", "args", "expected"),
+    [
+        ("raise_error", {"secret": "s"}, ExitCode.PROCESSOR_FAILURE),
+        ("raise_context", {}, ExitCode.BAD_CONTEXT),
+        ("raise_conflict", {}, ExitCode.PROGRESS_CONFLICT),
+        ("raise_stale", {}, ExitCode.STALE_TERM),
+        ("exit_with", {"code": 7}, 7),
+        ("sys_exit", {"code": 6}, 6),
+        ("return_value", {"value": None}, ExitCode.PROCESSOR_FAILURE),
+        ("return_value", {"value": True}, ExitCode.PROCESSOR_FAILURE),
+        ("return_value", {"value": 200}, ExitCode.PROCESSOR_FAILURE),
+        ("no_such_function", {}, ExitCode.BAD_CONTEXT),
+    ],
+)
+def test_exit_codes(pool: WorkerPool, target: str, args: dict[str, Any], expected: int) -> None:
+    pool.launch("w", f"{T}:{target}", payload(**args), timeout=LIMIT)
+    ex = drive(pool, {"w"})["w"]
+    assert (ex.exitcode, ex.signal, ex.timed_out) == (expected, None, False)
+
+
+def test_unimportable_target_module_is_bad_context(pool: WorkerPool) -> None:
+    pool.launch("w", "tests.no_such_module:run", b"{}", timeout=LIMIT)
+    assert drive(pool, {"w"})["w"].exitcode == ExitCode.BAD_CONTEXT
+
+
+def test_failure_report_names_type_not_payload() -> None:
+    """Uncaught exception: exit 1, stderr names the type, never the payload or message."""
+    code = (
+        "from apsup.workers.child import main; "
+        f"main('{T}:raise_error', b'{{\"secret\": \"TOPSECRET-123\"}}')"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=60
+    )
+    assert proc.returncode == ExitCode.PROCESSOR_FAILURE
+    assert "builtins.RuntimeError" in proc.stderr and "raise_error" in proc.stderr
+    assert "TOPSECRET" not in proc.stderr and "processing failed" not in proc.stderr
+
+
+def test_worker_has_own_process_group_session_and_random_state(
+    pool: WorkerPool, tmp_path: Path
+) -> None:
+    out = tmp_path / "ids"
+    ids = {f"w{i}" for i in range(4)}
+    for wid in ids:
+        pool.launch(wid, f"{T}:report_identity", payload(path=str(out)), timeout=LIMIT)
+    assert {e.exitcode for e in drive(pool, ids).values()} == {0}
+    rows = [line.split() for line in lines(out)]
+    assert len(rows) == 4
+    for pid, pgid, sid, _ in rows:
+        assert pid == pgid == sid  # setsid: group leader, away from our terminal's group
+        assert int(pgid) != os.getpgrp()
+    assert len({r[3] for r in rows}) == 4  # reseeded: no two Workers share a random stream
+
+
+# --- timeouts and termination --------------------------------------------------------------------
+
+
+def test_timeout_terminates_gracefully_and_finally_runs(pool: WorkerPool, tmp_path: Path) -> None:
+    marker = tmp_path / "m"
+    pool.launch("w", f"{T}:sleep_with_finally", payload(path=str(marker), seconds=120), 0.3)
+    ex = drive(pool, {"w"})["w"]
+    assert ex.timed_out and ex.exitcode == ExitCode.TERMINATED and ex.signal is None
+    assert lines(marker) == ["started", "finally"]
+    assert ex.duration < LIMIT
+
+
+def test_sigterm_ignoring_worker_is_killed_after_grace(pool: WorkerPool, tmp_path: Path) -> None:
+    marker = tmp_path / "m"
+    handle = pool.launch("w", f"{T}:ignore_sigterm", payload(path=str(marker), seconds=120), 0.3)
+    wait_until(lambda: lines(marker) == ["started"], "worker start")
+    states: set[str] = set()
+    exits: list[WorkerExit] = []
+    end = time.monotonic() + LIMIT
+    while not exits:
+        assert time.monotonic() < end
+        exits = pool.poll()
+        if not exits:
+            assert pool.running() == [handle]  # capacity held until the exit is confirmed
+            states.add(handle.state)
+        wait(pool.sentinels(), 0.05)
+    (ex,) = exits
+    assert {"terminating", "killing"} <= states
+    assert (ex.exitcode, ex.signal, ex.timed_out) == (ExitCode.KILLED_SIGKILL, 9, True)
+    assert ex.reason == "KILLED_SIGKILL" and ex.duration < LIMIT
+    assert pool.running() == []
+
+
+def test_second_sigterm_exits_immediately_with_143(pool: WorkerPool, tmp_path: Path) -> None:
+    marker = tmp_path / "m"
+    handle = pool.launch("w", f"{T}:slow_cleanup", payload(path=str(marker), seconds=120), LIMIT)
+    wait_until(lambda: lines(marker) == ["started"], "worker start")
+    os.kill(handle.pid, signal.SIGTERM)
+    wait_until(lambda: lines(marker) == ["started", "cleanup"], "graceful cleanup to begin")
+    os.kill(handle.pid, signal.SIGTERM)
+    ex = drive(pool, {"w"})["w"]
+    assert (ex.exitcode, ex.timed_out) == (ExitCode.FORCED_EXIT, False)
+
+
+@pytest.mark.parametrize("child_ignores_sigterm", [False, True])
+def test_timeout_kills_grandchildren_too(
+    pool: WorkerPool, tmp_path: Path, child_ignores_sigterm: bool
+) -> None:
+    marker = tmp_path / "m"
+    args = payload(path=str(marker), seconds=120, child_ignores_sigterm=child_ignores_sigterm)
+    pool.launch("w", f"{T}:spawn_grandchild", args, 0.5)
+    wait_until(lambda: bool(lines(marker)), "grandchild pid")
+    grandchild = int(lines(marker)[0].split()[1])
+    assert not is_dead(grandchild)
+    ex = drive(pool, {"w"})["w"]
+    assert ex.timed_out
+    expected = ExitCode.KILLED_SIGKILL if child_ignores_sigterm else ExitCode.TERMINATED
+    assert ex.exitcode == expected
+    # The grandchild ignores SIGTERM: it dies from the group SIGKILL (after the grace when the
+    # Worker ignores SIGTERM too, or as a straggler once the Worker's exit is confirmed).
+    wait_until(lambda: is_dead(grandchild), "grandchild death")
+
+
+def test_sigint_does_not_kill_workers_or_forkserver(pool: WorkerPool, tmp_path: Path) -> None:
+    """Ctrl-C reaches the host's process group; Workers (own session) and the forkserver ignore
+    SIGINT even when it is sent to them directly, and the Worker finishes normally."""
+    marker = tmp_path / "m"
+    handle = pool.launch(
+        "w", f"{T}:sleep_then_finish", payload(path=str(marker), seconds=1.0), LIMIT
+    )
+    wait_until(lambda: lines(marker) == ["started"], "worker start")
+    fs_pid = pool.forkserver_pid
+    assert fs_pid is not None
+    os.kill(handle.pid, signal.SIGINT)
+    os.kill(fs_pid, signal.SIGINT)
+    time.sleep(0.2)
+    assert not is_dead(handle.pid) and not is_dead(fs_pid)
+    ex = drive(pool, {"w"})["w"]
+    assert (ex.exitcode, ex.timed_out) == (0, False)
+    assert lines(marker) == ["started", "done"]
+    assert pool.forkserver_pid == fs_pid  # the same forkserver still serves launches
+    pool.launch("w2", f"{T}:ok", b"{}", LIMIT)
+    assert drive(pool, {"w2"})["w2"].exitcode == 0
+
+
+def test_terminate_all_stops_every_group_and_confirms(pool: WorkerPool, tmp_path: Path) -> None:
+    markers = {wid: tmp_path / wid for wid in ("a", "b", "c")}
+    pool.launch("a", f"{T}:sleep_with_finally", payload(path=str(markers["a"]), seconds=120), 60)
+    pool.launch("b", f"{T}:sleep_with_finally", payload(path=str(markers["b"]), seconds=120), 60)
+    pool.launch("c", f"{T}:ignore_sigterm", payload(path=str(markers["c"]), seconds=120), 60)
+    for m in markers.values():
+        wait_until(started(m), "worker start")
+    exits = {e.worker_id: e for e in pool.terminate_all(grace=1.0)}
+    assert set(exits) == {"a", "b", "c"}
+    assert exits["a"].exitcode == exits["b"].exitcode == ExitCode.TERMINATED
+    assert exits["c"].exitcode == ExitCode.KILLED_SIGKILL
+    assert all(e.terminated and not e.timed_out for e in exits.values())
+    assert lines(markers["a"]) == lines(markers["b"]) == ["started", "finally"]
+    assert pool.running() == []
+
+
+# --- exit confirmation ---------------------------------------------------------------------------
+
+
+def test_dead_worker_stays_running_until_forkserver_confirms(
+    pool: WorkerPool, tmp_path: Path
+) -> None:
+    """A Worker that is dead (a zombie: the forkserver is stopped and cannot reap it) is not an
+    exit: it keeps its capacity, becomes "unconfirmed", and is reported only once the status
+    written by the forkserver's waitpid arrives."""
+    marker = tmp_path / "m"
+    handle = pool.launch(
+        "w", f"{T}:sleep_with_finally", payload(path=str(marker), seconds=120), 0.3
+    )
+    wait_until(lambda: lines(marker) == ["started"], "worker start")
+    fs_pid = pool.forkserver_pid
+    assert fs_pid is not None
+    os.kill(fs_pid, signal.SIGSTOP)
+    try:
+        end = time.monotonic() + LIMIT
+        while handle.state != "unconfirmed":
+            assert time.monotonic() < end, handle.state
+            assert pool.poll() == []
+            time.sleep(0.05)
+        assert process_state(handle.pid) == "Z"  # dead, yet not confirmed
+        assert pool.running() == [handle] and handle.sentinel in pool.sentinels()
+        assert pool.poll() == []
+    finally:
+        os.kill(fs_pid, signal.SIGCONT)
+    ex = drive(pool, {"w"})["w"]
+    assert (ex.exitcode, ex.timed_out) == (ExitCode.TERMINATED, True)
+    assert lines(marker) == ["started", "finally"]
+
+
+def test_forkserver_death_leaves_worker_unconfirmed_forever(
+    pool: WorkerPool, tmp_path: Path
+) -> None:
+    """When the forkserver dies, multiprocess reports exit code 255 for its children; the pool
+    must not treat that as an exit: the Worker stays "unconfirmed" and keeps its capacity."""
+    marker = tmp_path / "m"
+    handle = pool.launch(
+        "w", f"{T}:sleep_with_finally", payload(path=str(marker), seconds=120), LIMIT
+    )
+    wait_until(lambda: lines(marker) == ["started"], "worker start")
+    fs_pid = pool.forkserver_pid
+    assert fs_pid is not None
+    os.kill(fs_pid, signal.SIGKILL)
+    end = time.monotonic() + LIMIT
+    while not handle.status_lost:
+        assert time.monotonic() < end
+        assert pool.poll() == []
+        time.sleep(0.02)
+    assert handle.state == "unconfirmed" and pool.running() == [handle]
+    assert handle.sentinel not in pool.sentinels()  # an EOF pipe would wake the owner forever
+    assert pool.next_deadline() is None
+    wait_until(lambda: is_dead(handle.pid), "orphaned worker to be killed")
+    for _ in range(3):
+        assert pool.poll() == [] and pool.running() == [handle]
+    # New launches get a fresh forkserver; the lost Worker still holds its place.
+    pool.launch("w2", f"{T}:ok", b"{}", LIMIT)
+    assert drive(pool, {"w2"})["w2"].exitcode == 0
+    assert pool.forkserver_pid not in (None, fs_pid)
+    assert pool.running() == [handle]
+    assert pool.close() == [handle]
+
+
+# --- forkserver preload, throughput, API guards -------------------------------------------------
+
+
+def test_many_launches_reuse_the_preloaded_forkserver(pool: WorkerPool, tmp_path: Path) -> None:
+    out = tmp_path / "imports"
+    fs_pid = pool.forkserver_pid
+    for i in range(200):
+        pool.launch(f"w{i}", f"{T}:report_import", payload(path=str(out)), LIMIT)
+        assert drive(pool, {f"w{i}"})[f"w{i}"].exitcode == 0
+    rows = [tuple(map(int, line.split())) for line in lines(out)]
+    assert len(rows) == 200
+    # The module was imported once, in the forkserver (every Worker's parent), never per child.
+    assert {imported_in for imported_in, _, _ in rows} == {fs_pid}
+    assert {ppid for _, _, ppid in rows} == {fs_pid}
+    assert all(pid != imported_in for imported_in, pid, _ in rows)
+    assert "tests.worker_targets" not in sys.modules  # and not by this process either
+
+
+def test_concurrent_launches(pool: WorkerPool) -> None:
+    ids = {f"w{i}" for i in range(16)}
+    for wid in ids:
+        pool.launch(wid, f"{T}:ok", b"{}", LIMIT)
+    assert len(pool.running()) == 16
+    assert {e.exitcode for e in drive(pool, ids).values()} == {0}
+
+
+def test_launch_validation(pool: WorkerPool) -> None:
+    with pytest.raises(TypeError):
+        pool.launch("w", f"{T}:ok", bytearray(b"{}"), LIMIT)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        pool.launch("w", "tests.worker_targets.ok", b"{}", LIMIT)
+    with pytest.raises(ValueError):
+        pool.launch("w", f"{T}:ok", b"{}", 0)
+    pool.launch("w", f"{T}:sleep_then_finish", payload(path=os.devnull, seconds=0.2), LIMIT)
+    with pytest.raises(ValueError, match="still running"):
+        pool.launch("w", f"{T}:ok", b"{}", LIMIT)
+    with pytest.raises(RuntimeError, match="already open"):
+        WorkerPool([T])
+    drive(pool, {"w"})
+    pool.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.launch("w", f"{T}:ok", b"{}", LIMIT)
+
+
+def test_missing_preload_module_is_a_startup_error() -> None:
+    with pytest.raises(ConfigError, match="apsup_no_such_family_module"):
+        WorkerPool(["apsup_no_such_family_module"])
+    with WorkerPool([T]) as p:  # the failed pool released the process-wide slot
+        p.launch("w", f"{T}:ok", b"{}", LIMIT)
+        assert drive(p, {"w"})["w"].exitcode == 0
+
+
+def test_close_terminates_running_workers_and_stops_forkserver(tmp_path: Path) -> None:
+    marker = tmp_path / "m"
+    p = WorkerPool([T], grace_seconds=1.0, confirm_seconds=1.0)
+    handle = p.launch("w", f"{T}:sleep_with_finally", payload(path=str(marker), seconds=120), 60)
+    wait_until(lambda: lines(marker) == ["started"], "worker start")
+    fs_pid = p.forkserver_pid
+    assert fs_pid is not None
+    assert p.close() == []
+    assert lines(marker) == ["started", "finally"]
+    assert is_dead(handle.pid) and process_state(fs_pid) is None  # forkserver reaped
+    assert p.closed and p.close() == []

@@ -1,0 +1,137 @@
+"""Child targets for tests/test_worker_processes.py (run inside real Worker processes).
+
+Preloaded into the forkserver by the tests: ``IMPORTED_IN_PID`` records the pid that imported
+this module, which must be the forkserver's, not each Worker's.
+Payloads are orjson objects; ``path`` names a marker file the test reads back.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sys
+import time
+from typing import Any
+
+import orjson
+
+from apsup.errors import ContextError, ProgressConflict, StaleTermError
+
+IMPORTED_IN_PID = os.getpid()
+
+
+def _args(payload: bytes) -> dict[str, Any]:
+    value = orjson.loads(payload)
+    assert isinstance(value, dict)
+    return value
+
+
+def _write(path: str, text: str) -> None:
+    """Append one line; O_APPEND keeps lines from concurrent Workers whole."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.write(fd, (text + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def ok(payload: bytes) -> int:
+    return 0
+
+
+def exit_with(payload: bytes) -> int:
+    return int(_args(payload)["code"])
+
+
+def return_value(payload: bytes) -> Any:
+    return _args(payload)["value"]
+
+
+def sys_exit(payload: bytes) -> int:
+    sys.exit(int(_args(payload)["code"]))
+
+
+def raise_error(payload: bytes) -> int:
+    raise RuntimeError(f"processing failed for {_args(payload)['secret']}")
+
+
+def raise_stale(payload: bytes) -> int:
+    raise StaleTermError("term moved on")
+
+
+def raise_conflict(payload: bytes) -> int:
+    raise ProgressConflict("cursor moved")
+
+
+def raise_context(payload: bytes) -> int:
+    raise ContextError(f"bad context {payload!r}")
+
+
+def report_import(payload: bytes) -> int:
+    _write(_args(payload)["path"], f"{IMPORTED_IN_PID} {os.getpid()} {os.getppid()}")
+    return 0
+
+
+def report_identity(payload: bytes) -> int:
+    _write(
+        _args(payload)["path"],
+        f"{os.getpid()} {os.getpgid(0)} {os.getsid(0)} {random.random()!r}",
+    )
+    return 0
+
+
+def sleep_with_finally(payload: bytes) -> int:
+    """Sleeps; a graceful SIGTERM must still run the ``finally`` (recorded in the file)."""
+    args = _args(payload)
+    _write(args["path"], "started")
+    try:
+        time.sleep(args["seconds"])
+    finally:
+        _write(args["path"], "finally")
+    return 0
+
+
+def sleep_then_finish(payload: bytes) -> int:
+    args = _args(payload)
+    _write(args["path"], "started")
+    time.sleep(args["seconds"])
+    _write(args["path"], "done")
+    return 0
+
+
+def ignore_sigterm(payload: bytes) -> int:
+    args = _args(payload)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _write(args["path"], "started")
+    time.sleep(args["seconds"])
+    return 0
+
+
+def slow_cleanup(payload: bytes) -> int:
+    """Its cleanup blocks: only a second SIGTERM (or SIGKILL) ends it."""
+    args = _args(payload)
+    _write(args["path"], "started")
+    try:
+        time.sleep(args["seconds"])
+    finally:
+        _write(args["path"], "cleanup")
+        time.sleep(args["seconds"])
+    return 0
+
+
+def spawn_grandchild(payload: bytes) -> int:
+    """Forks a grandchild that ignores SIGTERM and would outlive the Worker by far."""
+    args = _args(payload)
+    pid = os.fork()
+    if pid == 0:  # grandchild
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            time.sleep(120)
+        finally:
+            os._exit(0)
+    _write(args["path"], f"grandchild {pid}")
+    if args.get("child_ignores_sigterm"):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(args["seconds"])
+    return 0

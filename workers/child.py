@@ -1,0 +1,176 @@
+"""Worker child bootstrap: the first code that runs in a freshly forked Worker.
+
+The forkserver forks this module's :func:`main` with ``(target, payload)``: a ``"module:function"``
+string and opaque bytes (orjson made by the caller). Nothing else crosses the process boundary.
+
+What ``main`` does, in order, and why:
+
+1. ``os.setsid()``: the Worker leads its own process group and session, so the pool's timeout
+   kill (``killpg``) also reaches grandchildren, and the terminal's Ctrl-C no longer reaches it.
+2. SIGINT is ignored: Ctrl-C in the host's terminal must not kill Workers mid-transaction; the
+   host stops them itself, in order.
+3. SIGTERM: the first one raises :class:`WorkerTerminated` in the main thread so ``finally``
+   blocks and context managers roll back; a second one exits at once with 143.
+4. ``random`` is reseeded (all children fork from the same forkserver image).
+5. ``target`` is imported and called with ``payload``; its int return is the exit code.
+
+Failures are reported on stderr by exception *type* and code location only, never by message:
+messages can quote payload contents (scope ids, tokens, user data).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import random
+import signal
+import sys
+import traceback
+from collections.abc import Callable
+from types import FrameType
+from typing import NoReturn
+
+from apsup.errors import ContextError, ProgressConflict, StaleTermError
+from apsup.workers.exit_codes import MAX_TARGET_EXIT_CODE, ExitCode
+
+Target = Callable[[bytes], int]
+
+
+class WorkerTerminated(BaseException):
+    """Raised in the Worker's main thread by the first SIGTERM (timeout, shutdown, lease loss).
+
+    A ``BaseException`` (like ``KeyboardInterrupt``) so that a processor's ``except Exception``
+    cannot swallow it, while ``finally`` and ``with`` blocks still run and roll back.
+    """
+
+
+# Set once the target has returned: a SIGTERM after that must not turn a finished invocation
+# into TERMINATED, so the handler exits with the target's own code instead.
+_finished_code: int | None = None
+_sigterms = 0
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    global _sigterms
+    _sigterms += 1
+    if _finished_code is not None:
+        _exit(_finished_code)
+    if _sigterms > 1:
+        _exit(ExitCode.FORCED_EXIT)
+    raise WorkerTerminated
+
+
+def _exit(code: int) -> NoReturn:
+    """Flush and leave now: stray non-daemon threads or atexit hooks of a processor must not
+    delay the exit that releases its capacity (the pool would only kill it at the deadline)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a broken stream must not change the exit code
+            stream.flush()
+    os._exit(code)
+
+
+def _report(target: str, what: str, exc: BaseException) -> None:
+    """One stderr line: exception type and innermost code location, no message, no payload."""
+    where = ""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if frames:
+        last = frames[-1]
+        where = f" at {last.filename}:{last.lineno} in {last.name}"
+    kind = f"{type(exc).__module__}.{type(exc).__qualname__}"
+    with contextlib.suppress(Exception):  # reporting must never change the exit code
+        sys.stderr.write(f"apsup worker {os.getpid()}: {target} {what}: {kind}{where}\n")
+
+
+def resolve(target: str) -> Target:
+    """Import ``"package.module:function"`` (dotted attributes allowed after the colon)."""
+    module_name, sep, attr_path = target.partition(":")
+    if not sep or not module_name or not attr_path:
+        raise ValueError("target must look like 'package.module:function'")
+    obj: object = importlib.import_module(module_name)
+    for attr in attr_path.split("."):
+        obj = getattr(obj, attr)
+    if not callable(obj):
+        raise TypeError("target is not callable")
+    return obj  # type: ignore[return-value]
+
+
+def run(target: str, payload: bytes) -> int:
+    """Resolve and call ``target(payload)``; map its outcome to an exit code. Never raises
+    ``Exception``; ``WorkerTerminated`` is mapped too."""
+    try:
+        fn = resolve(target)
+    except WorkerTerminated:
+        return ExitCode.TERMINATED
+    except Exception as exc:
+        _report(target, "could not be resolved", exc)
+        return ExitCode.BAD_CONTEXT
+    try:
+        result = fn(payload)
+    except WorkerTerminated:
+        return ExitCode.TERMINATED
+    except StaleTermError:
+        return ExitCode.STALE_TERM
+    except ProgressConflict:
+        return ExitCode.PROGRESS_CONFLICT
+    except ContextError as exc:
+        _report(target, "rejected its context", exc)
+        return ExitCode.BAD_CONTEXT
+    except SystemExit as exc:
+        result = exc.code if isinstance(exc.code, int) else ExitCode.PROCESSOR_FAILURE
+    except Exception as exc:
+        _report(target, "failed", exc)
+        return ExitCode.PROCESSOR_FAILURE
+    if (
+        isinstance(result, bool)
+        or not isinstance(result, int)
+        or not 0 <= result <= MAX_TARGET_EXIT_CODE
+    ):
+        with contextlib.suppress(Exception):
+            sys.stderr.write(
+                f"apsup worker {os.getpid()}: {target} returned {type(result).__name__}, "
+                f"not an int exit code in 0..{MAX_TARGET_EXIT_CODE}\n"
+            )
+        return ExitCode.PROCESSOR_FAILURE
+    return int(result)
+
+
+def main(target: str, payload: bytes) -> NoReturn:
+    """Worker entry point (runs in the forked child): isolate, install signals, run, exit."""
+    global _finished_code
+    # PermissionError: already a group leader (e.g. run by hand); nothing to detach from.
+    with contextlib.suppress(PermissionError):
+        os.setsid()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    random.seed()
+    code: int
+    try:
+        code = run(target, payload)
+    except WorkerTerminated:
+        code = ExitCode.TERMINATED
+    except BaseException as exc:  # pragma: no cover - run() maps everything it can
+        _report(target, "crashed", exc)
+        code = ExitCode.PROCESSOR_FAILURE
+    _finished_code = code
+    _exit(code)
+
+
+def noop(payload: bytes) -> int:
+    """A target that does nothing: used to warm the forkserver and by benchmarks."""
+    return ExitCode.SUCCESS
+
+
+def probe_preload(payload: bytes) -> int:
+    """Report which preload modules the forkserver failed to import.
+
+    Payload: report path, then one module name per line. The forkserver swallows ImportError for
+    preloads, and it does not see the parent's ``sys.path`` edits, so a missing preload would
+    otherwise only show up as every launch being ~30x slower. A child inherits the forkserver's
+    ``sys.modules`` and this probe imports nothing, so ``sys.modules`` here is the forkserver's.
+    """
+    report_path, *modules = payload.decode().split("\n")
+    missing = [name for name in modules if name and name not in sys.modules]
+    with open(report_path, "w", encoding="utf-8") as fh:
+        fh.write("\n".join(missing))
+    return ExitCode.BAD_CONTEXT if missing else ExitCode.SUCCESS

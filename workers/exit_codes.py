@@ -1,0 +1,61 @@
+"""Worker exit codes: the only channel from a Worker back to the Supervisor.
+
+The Supervisor never receives results from a Worker (RFC §6): durable progress lives in the
+database. The exit code only tells it which backoff rule applies (RFC §7), so it stays small:
+
+====  ==========================  ==============================================================
+code  name                        Supervisor reaction
+====  ==========================  ==============================================================
+0     SUCCESS                     release capacity, clear the failure count (acknowledged in the db)
+1     PROCESSOR_FAILURE           ordinary failure: exponential backoff
+2     BAD_CONTEXT                 payload/context unreadable or target not importable: backoff
+3     PROGRESS_CONFLICT           processor's own CAS lost a race: fixed short redispatch delay
+4     STALE_TERM                  the dispatching term is gone: control event, no failure counted
+5     TERMINATED                  stopped gracefully by the first SIGTERM (timeout or shutdown)
+143   FORCED_EXIT                 second SIGTERM during graceful cleanup: ``os._exit(143)``
+-15   KILLED_SIGTERM              SIGTERM hit before the child installed its handler
+-9    KILLED_SIGKILL              killed after the grace period (or by the OOM killer)
+====  ==========================  ==============================================================
+
+Negative values follow ``multiprocess``/``subprocess``: ``-N`` means "killed by signal N"; any
+such value is reported, the two above are just the ones the pool itself sends. Targets may only
+return 0..127 (see ``apsup.workers.child``) so that 128+N and 255 keep their conventional
+meanings; 255 is what ``multiprocess`` fabricates when the forkserver dies, which the pool treats
+as *unconfirmed*, never as an exit.
+"""
+
+from __future__ import annotations
+
+import signal
+from enum import IntEnum
+
+#: Largest exit code a target may return; larger values are reported as PROCESSOR_FAILURE.
+MAX_TARGET_EXIT_CODE = 127
+
+
+class ExitCode(IntEnum):
+    """Exit codes of a Worker child; see the module docstring for the Supervisor's reaction."""
+
+    SUCCESS = 0
+    PROCESSOR_FAILURE = 1
+    BAD_CONTEXT = 2
+    PROGRESS_CONFLICT = 3
+    STALE_TERM = 4
+    TERMINATED = 5
+    FORCED_EXIT = 128 + signal.SIGTERM
+    KILLED_SIGTERM = -signal.SIGTERM
+    KILLED_SIGKILL = -signal.SIGKILL
+
+
+def describe(exitcode: int) -> str:
+    """A short, log-safe name for an exit code (``ExitCode`` name, ``SIGSEGV``, or ``exit 7``)."""
+    try:
+        return ExitCode(exitcode).name
+    except ValueError:
+        pass
+    if exitcode < 0:
+        try:
+            return signal.Signals(-exitcode).name
+        except ValueError:
+            return f"signal {-exitcode}"
+    return f"exit {exitcode}"
