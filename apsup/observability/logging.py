@@ -142,11 +142,11 @@ def safe_url(url: str) -> str:
         parts = urllib.parse.urlsplit(url)
     except ValueError:
         return MASK
-    netloc = parts.netloc
-    if parts.password is not None:
-        userinfo, _, hostport = netloc.rpartition("@")
-        netloc = f"{userinfo.split(':', 1)[0]}:{MASK}@{hostport}"
-    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+    head = url.split("?", 1)[0].split("#", 1)[0]  # urlunsplit would mangle sqlite:////abs
+    if parts.password is None:
+        return head
+    userinfo, _, hostport = parts.netloc.rpartition("@")
+    return head.replace(parts.netloc, f"{userinfo.split(':', 1)[0]}:{MASK}@{hostport}", 1)
 
 
 def _clip(text: str, limit: int) -> str:
