@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from apsup.errors import ConfigError
 from apsup.registry import Family
+from apsup.scheduling import Backoff
 from apsup.store import SqlBackend, open_backend
 from apsup.store.leases import GLOBAL_KEY, dedicated_key
 from apsup.supervisor.control import ControlChannel, HostLock
@@ -70,6 +71,7 @@ def build_host(
     hooks: Hooks | None = None,
     shutdown_grace: float = 10.0,
     grace_seconds: float = 5.0,
+    backoff: Backoff | None = None,
 ) -> HostBundle:
     """A host running every Supervisor of ``mode`` for ``families`` in this process."""
     if not families:
@@ -100,6 +102,7 @@ def build_host(
             database_url=database_url,
             worker_settings=worker_settings,
             hooks=hooks,
+            backoff=backoff,
         )
         for key, group in supervisor_groups(mode, families)
     ]

@@ -23,6 +23,7 @@ from apsup.errors import StaleTermError
 from apsup.registry import Family, Reconciler
 from apsup.scheduling import (
     Admit,
+    Backoff,
     BindingState,
     Dispatch,
     EndScan,
@@ -82,6 +83,7 @@ class Supervisor:
         worker_settings: dict[str, str] | None = None,
         hooks: Hooks | None = None,
         rng: random.Random | None = None,
+        backoff: Backoff | None = None,
     ) -> None:
         self.key = key
         self.families = {f.name: f for f in families}
@@ -91,6 +93,7 @@ class Supervisor:
         self.worker_settings = dict(worker_settings or {})
         self.hooks = hooks or Hooks()
         self.rng = rng or random.Random()
+        self.backoff = backoff  # None: the RFC §7 default (about 30 s doubling to 30 min)
         self.core: Scheduler | None = None
         self.term: Term | None = None
         self.running: dict[str, Invocation] = {}
@@ -120,6 +123,7 @@ class Supervisor:
         self.core = Scheduler(
             [FamilySpec(f.name, f.policy, f.max_workers) for f in self.families.values()],
             rng=self.rng,
+            backoff=self.backoff,
         )
 
         def load(conn: Connection) -> dict[str, scans.ScanState]:
