@@ -1,0 +1,77 @@
+"""Small helpers shared by the reference families (column types, errors, settings, digests).
+
+Nothing here reaches into the Supervisor: families talk to apsup only through ``@family``,
+``Family.mark_dirty/request`` and the ``ExecutionContext`` they receive.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from datetime import UTC, datetime
+
+from sqlalchemy import DateTime, String
+from sqlalchemy.dialects import mysql
+
+from apsup.context import ExecutionContext
+from apsup.errors import ApsupError
+
+#: Microsecond precision on MySQL/OceanBase, like ``apsup.store.schema.Timestamp``.
+Timestamp = DateTime().with_variant(mysql.DATETIME(fsp=6), "mysql")
+
+SCOPE_LENGTH = 255
+SCOPE = String(SCOPE_LENGTH)
+DIGEST_LENGTH = 64
+
+
+class DomainError(ApsupError):
+    """A family's business rule refused an operation. Messages never contain Source bodies."""
+
+
+class AuthorizationDenied(DomainError, PermissionError):
+    """The (background or caller) principal may not act on this Scope.
+
+    Raised by a processor it is a failure of that Scope only (RFC §6): the Supervisor backs the
+    key off and keeps scheduling every other Scope and family.
+    """
+
+
+class SourceFailure(DomainError):
+    """A Source position could not be processed; progress stops before it (never skipped)."""
+
+    def __init__(self, family: str, scope_id: str, position: int) -> None:
+        super().__init__(
+            f"{family}: scope {scope_id!r} cannot process source position {position}; "
+            "the cursor stays before it and later sources wait"
+        )
+        self.scope_id = scope_id
+        self.position = position
+
+
+def utcnow() -> datetime:
+    """Naive UTC, the convention of every timestamp apsup stores."""
+    return datetime.now(UTC).replace(tzinfo=None)
+
+
+def int_setting(ctx: ExecutionContext, prefix: str, name: str, default: int) -> int:
+    """``<PREFIX>_<NAME>`` from the context's settings, else ``default`` (must be >= 1)."""
+    raw = ctx.settings.get(f"{prefix}_{name}")
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise DomainError(f"setting {prefix}_{name} must be an integer, got {raw!r}") from None
+    if value < 1:
+        raise DomainError(f"setting {prefix}_{name} must be >= 1, got {value}")
+    return value
+
+
+def digest(parts: Iterable[str | bytes], seed: str = "") -> str:
+    """A deterministic 64-hex digest of ``parts`` (length-prefixed, so boundaries matter)."""
+    h = hashlib.sha256(seed.encode())
+    for part in parts:
+        data = part.encode() if isinstance(part, str) else part
+        h.update(len(data).to_bytes(8, "big"))
+        h.update(data)
+    return h.hexdigest()
