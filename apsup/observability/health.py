@@ -124,7 +124,10 @@ class HealthServer:
             httpd.app = self
             self._httpd = httpd
             self._thread = threading.Thread(
-                target=httpd.serve_forever, name="apsup-health", daemon=True
+                target=httpd.serve_forever,
+                kwargs={"poll_interval": 0.1},  # bounds how long stop() waits; no I/O per tick
+                name="apsup-health",
+                daemon=True,
             )
             self._thread.start()
         return self.port
