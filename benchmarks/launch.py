@@ -1,0 +1,158 @@
+"""Worker launch cost: forkserver with preloaded family modules vs ``spawn``.
+
+Measures, for a no-op target in a "family module" that imports sqlalchemy and orjson (what real
+families import), launches/s and per-launch latency from ``launch()`` to the *confirmed* exit,
+serially and with 2 and 8 Workers in flight. Prints one table and the ratios. Runs in < 60 s.
+
+    .venv/bin/python benchmarks/launch.py [--quick]
+
+Why it matters (DESIGN.md §6): the launch cost bounds invocations/s per host; spawn re-imports
+everything per Worker, the forkserver forks an image that already imported the families.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import multiprocess
+from multiprocess.connection import wait
+
+from apsup.workers import WorkerPool
+from apsup.workers.child import main as child_main
+
+FAMILY_MODULE = "apsup_bench_family"
+FAMILY_SOURCE = '''"""Stand-in family module for benchmarks/launch.py."""
+import orjson  # noqa: F401
+import sqlalchemy  # noqa: F401
+
+
+def noop(payload: bytes) -> int:
+    return 0
+'''
+TARGET = f"{FAMILY_MODULE}:noop"
+
+
+@dataclass
+class Result:
+    mode: str
+    concurrency: int
+    launches: int
+    wall: float
+    latencies: list[float]
+
+    @property
+    def per_second(self) -> float:
+        return self.launches / self.wall
+
+    @property
+    def mean_ms(self) -> float:
+        return statistics.fmean(self.latencies) * 1000
+
+    def pct_ms(self, q: float) -> float:
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
+
+
+def run_forkserver(pool: WorkerPool, n: int, concurrency: int) -> Result:
+    """Keep ``concurrency`` Workers in flight through WorkerPool until ``n`` have exited."""
+    in_flight: dict[str, float] = {}
+    latencies: list[float] = []
+    launched = 0
+    start = time.perf_counter()
+    while len(latencies) < n:
+        while len(in_flight) < concurrency and launched < n:
+            wid = f"b{launched}"
+            in_flight[wid] = time.perf_counter()
+            pool.launch(wid, TARGET, b"{}", timeout=60)
+            launched += 1
+        wait(pool.sentinels(), 5.0)
+        for ex in pool.poll():
+            latencies.append(time.perf_counter() - in_flight.pop(ex.worker_id))
+            assert ex.exitcode == 0, ex
+    return Result("forkserver+preload", concurrency, n, time.perf_counter() - start, latencies)
+
+
+def run_spawn(n: int, concurrency: int) -> Result:
+    """Same loop with plain ``multiprocess`` spawn processes running the same child entry."""
+    ctx = multiprocess.get_context("spawn")
+    in_flight: dict[int, tuple[Any, float]] = {}
+    latencies: list[float] = []
+    launched = 0
+    start = time.perf_counter()
+    while len(latencies) < n:
+        while len(in_flight) < concurrency and launched < n:
+            t0 = time.perf_counter()
+            proc = ctx.Process(target=child_main, args=(TARGET, b"{}"))
+            proc.start()
+            in_flight[proc.sentinel] = (proc, t0)
+            launched += 1
+        for sentinel in wait(list(in_flight), 5.0):
+            proc, t0 = in_flight.pop(sentinel)
+            proc.join()
+            latencies.append(time.perf_counter() - t0)
+            assert proc.exitcode == 0, proc.exitcode
+            proc.close()
+    return Result("spawn", concurrency, n, time.perf_counter() - start, latencies)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer launches (smoke run)")
+    args = parser.parse_args()
+    n_fork, n_spawn = (40, 6) if args.quick else (300, 24)
+    levels = (1, 2, 8)
+
+    tmp = tempfile.mkdtemp(prefix="apsup-bench-")
+    Path(tmp, f"{FAMILY_MODULE}.py").write_text(FAMILY_SOURCE)
+    # The forkserver and spawned children find the family module via PYTHONPATH / sys.path.
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [tmp, os.environ.get("PYTHONPATH")]))
+    sys.path.insert(0, tmp)
+
+    load_before = f"{os.getloadavg()[0]:.2f}"  # other work on the box skews every figure
+    results: list[Result] = []
+    t_start = time.perf_counter()
+    t = time.perf_counter()
+    with WorkerPool([FAMILY_MODULE]) as pool:
+        startup = time.perf_counter() - t
+        run_forkserver(pool, 20, 1)  # warm caches
+        for level in levels:
+            results.append(run_forkserver(pool, n_fork, level))
+    run_spawn(2, 1)  # warm the page cache for a fair first spawn
+    for level in levels:
+        results.append(run_spawn(n_spawn, level))
+
+    header = f"{'mode':<20}{'conc':>5}{'launches':>10}{'launches/s':>12}"
+    header += f"{'mean ms':>10}{'p50 ms':>9}{'p95 ms':>9}"
+    print(f"load average (1 min) before: {load_before}, after: {os.getloadavg()[0]:.2f}")
+    print(
+        f"Worker launch -> confirmed exit, no-op target importing sqlalchemy+orjson "
+        f"({os.cpu_count()} CPUs, pool startup incl. preload probe {startup * 1000:.0f} ms)"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        print(
+            f"{r.mode:<20}{r.concurrency:>5}{r.launches:>10}{r.per_second:>12.1f}"
+            f"{r.mean_ms:>10.2f}{r.pct_ms(0.5):>9.2f}{r.pct_ms(0.95):>9.2f}"
+        )
+    print()
+    for level in levels:
+        fs = next(r for r in results if r.mode == "forkserver+preload" and r.concurrency == level)
+        sp = next(r for r in results if r.mode == "spawn" and r.concurrency == level)
+        print(
+            f"conc {level}: forkserver+preload is {fs.per_second / sp.per_second:.1f}x the "
+            f"launches/s of spawn, {sp.mean_ms / fs.mean_ms:.1f}x lower mean latency"
+        )
+    print(f"total benchmark time {time.perf_counter() - t_start:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
