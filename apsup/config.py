@@ -11,6 +11,8 @@ Decisions that the RFC leaves open:
 - One HTTP listener: ``HTTP_PORT`` (unset = off, 0 = any free port) and ``HTTP_HOST`` (default
   127.0.0.1) serve metrics, health, readiness and status together. ``METRICS_*``/``HEALTH_*``
   are rejected with a pointer to ``HTTP_*`` rather than silently ignored.
+- Worker settings (``worker_env``) are prefixed variable names with normalised values, so a
+  child can re-load them; names that look secret are never included.
 - Strict names: a variable under the prefix that apsup does not read fails startup (a typo must
   not silently keep a default). Per-family-shaped names for a prefix that no registered family
   owns are "configuration for a missing capability". Variables that belong to another component
@@ -156,10 +158,6 @@ def _show(value: str) -> str:
     if len(shown) > 80:
         shown = shown[:77] + "..."
     return repr(shown)
-
-
-def _seconds_text(value: float) -> str:
-    return repr(float(value))
 
 
 class _Reader:
