@@ -45,7 +45,9 @@ JSON = "application/json"
 class Heartbeat:
     """Monotonic timestamp of the loop's last iteration; ``beat()`` is one float store.
 
-    Starts beaten, so a freshly started process gets ``liveness_timeout`` of grace.
+    Starts beaten, so a freshly started process gets ``liveness_timeout`` of grace. An idle loop
+    that sleeps until its next deadline must still wake (no database work needed) at least every
+    ``liveness_timeout / 3`` to beat, or ``/healthz`` reports it dead.
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
