@@ -31,10 +31,8 @@ def redact_url(url: str) -> str:
         u = make_url(url)
     except Exception:
         return "<unparseable database url>"
-    u = u.set(password=None, query={})
-    if u.username:
-        u = u.set(username="***")
-    return u.render_as_string(hide_password=True)
+    # Credentials and query (which may carry secrets) are dropped entirely.
+    return u.set(username=None, password=None, query={}).render_as_string(hide_password=True)
 
 
 class SqlBackend:
