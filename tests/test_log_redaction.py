@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 import orjson
 import pytest
 
+from apsup import Registry, family
 from apsup.observability.logging import (
     FAILURE_FIELDS,
     MAX_EXCEPTION_MESSAGE,
@@ -29,7 +30,6 @@ from apsup.observability.logging import (
     register_secret,
     safe_url,
 )
-from apsup.policy import Interval
 
 DB_PASSWORD = "S3cr3t-Pw!x"
 DSN = "mysql+pymysql://apsup:S3cr3t-Pw%21x@db.internal:3306/apsup"
@@ -213,27 +213,31 @@ def test_log_event_never_raises(configure) -> None:
     assert HumanFormatter().format(bad)
 
 
-def test_startup_record(configure) -> None:
-    class Fam:
-        name = "topic-memory"
-        binding_name = "topic-memory"
-        policy = Interval(300)
-        max_workers = 4
-        timeout = 600.0
+def _noop(scope_id: str, ctx: object) -> None:
+    pass
 
+
+def test_startup_record(configure) -> None:
+    fam = family("topic-memory", interval=300, registry=Registry())(_noop)
     stream = configure("json")
     log_startup(
         logging.getLogger("apsup.test"),
         mode="global",
         role="all",
-        families=[Fam()],
+        families=[fam],
         terms={"global": 3},
         aliases=["ARTIFACT_PROCESSING_MAX_WORKERS"],
         database_url=DSN,
     )
     rec = orjson.loads(stream.getvalue())
     assert rec["event"] == "startup" and rec["mode"] == "global" and rec["terms"] == {"global": 3}
-    assert rec["families"][0]["max_workers"] == 4
+    assert rec["families"][0] == {
+        "family": "topic-memory",
+        "binding": "topic-memory",
+        "schedule": "interval 300s",
+        "max_workers": 4,
+        "timeout": 600.0,
+    }
     assert DB_PASSWORD not in stream.getvalue() and rec["database"].endswith(
         "@db.internal:3306/apsup"
     )

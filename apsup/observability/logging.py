@@ -390,11 +390,16 @@ def log_event(
 
 
 class _FamilyLike(Protocol):
-    name: str
-    binding_name: str
-    max_workers: int
-    timeout: float
+    """Read-only view of ``apsup.registry.Family`` (a frozen dataclass)."""
 
+    @property
+    def name(self) -> str: ...
+    @property
+    def binding_name(self) -> str: ...
+    @property
+    def max_workers(self) -> int: ...
+    @property
+    def timeout(self) -> float: ...
     @property
     def policy(self) -> Any: ...
 
