@@ -11,8 +11,10 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import fields
+from typing import Any
 
-from sqlalchemy import Connection
+from sqlalchemy import Connection, create_engine, delete
+from sqlalchemy.engine import make_url
 
 from apsup.context import ExecutionContext
 from apsup.errors import IntentError
@@ -91,3 +93,52 @@ def crashing(ctx: ExecutionContext, after: int = 1) -> CrashAfterCommits:
 def intent(backend: SqlBackend, fam: Family, scope_id: str) -> _intents.Intent | None:
     with backend.read() as conn:
         return _intents.get(conn, fam.binding_name, scope_id)
+
+
+# -- shared databases for fast business tests --------------------------------------------------
+
+
+#: Tables a business test may write; ``reset`` empties them between tests of one module.
+def _family_tables() -> list[Any]:
+    from apsup.families import experience, handoff, profile, topic_memory
+    from apsup.store.schema import binding_states, intents, leases
+
+    tables: list[Any] = [intents, binding_states, leases]
+    for module in (topic_memory, experience, profile, handoff):
+        tables.extend(module.TABLES)
+    return tables
+
+
+def create_database(kind: str, *, sqlite_dir: str, mysql_admin_url: str | None) -> str:
+    """A new empty database URL: a file under ``sqlite_dir`` or a new MySQL schema."""
+    if kind == "sqlite":
+        return f"sqlite:///{sqlite_dir}/apsup-{uuid.uuid4().hex[:8]}.db"
+    if not mysql_admin_url:
+        raise ValueError("a MySQL admin URL is required for the mysql backend")
+    name = f"apsup_f_{uuid.uuid4().hex[:12]}"
+    engine = create_engine(mysql_admin_url)
+    try:
+        with engine.connect() as conn:
+            conn.exec_driver_sql(f"CREATE DATABASE `{name}`")
+    finally:
+        engine.dispose()
+    return make_url(mysql_admin_url).set(database=name).render_as_string(hide_password=False)
+
+
+def drop_database(url: str) -> None:
+    u = make_url(url)
+    if u.get_backend_name() == "sqlite":
+        return
+    engine = create_engine(u.set(database=None))
+    try:
+        with engine.connect() as conn:
+            conn.exec_driver_sql(f"DROP DATABASE IF EXISTS `{u.database}`")
+    finally:
+        engine.dispose()
+
+
+def reset(backend: SqlBackend) -> None:
+    """Empty the framework and family tables (a migrated database reused across tests)."""
+    with backend.transaction() as conn:
+        for table in reversed(_family_tables()):
+            conn.execute(delete(table))
