@@ -1,0 +1,153 @@
+"""Handoff's own business guarantees without the Supervisor: explicit requests only, one report
+per requested generation (idempotent), the authorization boundary at acceptance (acceptance 14)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select
+
+from apsup.context import dispose_backends
+from apsup.errors import StaleTermError
+from apsup.families import handoff as ho
+from apsup.families._common import AuthorizationDenied, DomainError
+from apsup.families._testing import (
+    SimulatedCrash,
+    claim,
+    crashing,
+    create_database,
+    drop_database,
+    intent,
+    make_context,
+    reset,
+)
+from apsup.policy import Disabled
+from apsup.store import migrate, open_backend
+
+FAM = ho.FAMILY
+
+
+@pytest.fixture(
+    scope="module",
+    params=["sqlite", pytest.param("mysql", marks=pytest.mark.mysql_only)],
+    ids=["sqlite", "mysql"],
+)
+def shared_db(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """One migrated database per backend for this module; tests start from emptied tables."""
+    admin = request.getfixturevalue("mysql_url_admin") if request.param == "mysql" else None
+    url = create_database(
+        request.param, sqlite_dir=str(tmp_path_factory.mktemp("db")), mysql_admin_url=admin
+    )
+    migrate(url)
+    store = open_backend(url)
+    yield store
+    store.dispose()
+    dispose_backends()
+    drop_database(url)
+
+
+@pytest.fixture
+def backend(shared_db: Any) -> Iterator[Any]:
+    reset(shared_db)
+    yield shared_db
+
+
+def ask(backend: Any, scope: str, ref: str, **kw: Any) -> int:
+    with backend.transaction() as conn:
+        return ho.request_handoff(conn, scope, ref, **kw)
+
+
+def reports(backend: Any, scope: str) -> list[tuple[int, str]]:
+    with backend.read() as conn:
+        return [(r["request_generation"], r["payload_ref"]) for r in ho.reports(conn, scope)]
+
+
+def count(backend: Any, table: Any) -> int:
+    with backend.read() as conn:
+        return int(conn.execute(select(func.count()).select_from(table)).scalar_one())
+
+
+def test_automatic_admission_is_disabled() -> None:
+    assert FAM.policy == Disabled()
+    assert FAM.reconcile is None  # nothing to rebuild: Handoff has no ordinary dirty work
+
+
+def test_request_stores_reference_and_intent_together(backend: Any) -> None:
+    assert ask(backend, "s", "blob://1") == 1
+    assert ask(backend, "s", "blob://2") == 2
+    row = intent(backend, FAM, "s")
+    assert row is not None and row.requested_generation == 2 and row.dirty_generation == 0
+    # A caller transaction that rolls back leaves neither the reference nor the intent.
+    with pytest.raises(RuntimeError), backend.transaction() as conn:
+        ho.request_handoff(conn, "t", "blob://3")
+        raise RuntimeError("caller aborted")
+    assert intent(backend, FAM, "t") is None
+    assert count(backend, ho.handoff_requests) == 2
+
+
+def test_one_report_per_requested_generation_idempotently(backend: Any) -> None:
+    ask(backend, "s", "blob://1")
+    ask(backend, "s", "blob://2")
+    term = claim(backend)
+    ctx = make_context(backend, FAM, "s", term)  # coalesced: carries G = 2
+    ask(backend, "s", "blob://3")  # arrives while the invocation runs
+    FAM("s", ctx)
+    assert reports(backend, "s") == [(1, "blob://1"), (2, "blob://2")]
+    row = intent(backend, FAM, "s")
+    assert row is not None and row.handled_generation == 2 and row.requested_generation == 3
+    FAM("s", make_context(backend, FAM, "s", term, generation=2))  # duplicate of G = 2
+    assert len(reports(backend, "s")) == 2
+    FAM("s", make_context(backend, FAM, "s", term))  # the successor invocation, G = 3
+    assert reports(backend, "s")[-1] == (3, "blob://3")
+    with backend.read() as conn:
+        assert {r["supervisor_generation"] for r in ho.reports(conn, "s")} == {term.generation}
+
+
+def test_crash_between_report_commit_and_ack_does_not_duplicate(backend: Any) -> None:
+    for i in range(5):
+        ask(backend, "s", f"blob://{i}")
+    settings = {"HANDOFF_PAGE": "2"}  # three short transactions; the last acknowledges
+    with pytest.raises(SimulatedCrash):
+        FAM("s", crashing(make_context(backend, FAM, "s", claim(backend), settings=settings)))
+    assert len(reports(backend, "s")) == 2
+    row = intent(backend, FAM, "s")
+    assert row is not None and row.handled_generation == 0
+    FAM("s", make_context(backend, FAM, "s", claim(backend), settings=settings))
+    assert [g for g, _ in reports(backend, "s")] == [1, 2, 3, 4, 5]
+    row = intent(backend, FAM, "s")
+    assert row is not None and row.handled_generation == 5
+
+
+def test_authorization_boundary_at_acceptance(backend: Any) -> None:
+    with pytest.raises(AuthorizationDenied):
+        ask(backend, "s", "blob://1", principal="mallory")  # deny by default
+    with backend.transaction() as conn:
+        ho.grant(conn, "s", "alice")
+        ho.grant(conn, "s", "bob", allowed=False)
+    with pytest.raises(AuthorizationDenied):
+        ask(backend, "s", "blob://1", principal="bob")
+    assert intent(backend, FAM, "s") is None  # a denial accepts nothing
+    assert count(backend, ho.handoff_requests) == 0
+    assert ask(backend, "s", "blob://1", principal="alice") == 1
+    with pytest.raises(AuthorizationDenied):
+        ask(backend, "other", "blob://x", principal="alice")  # grants are per Scope
+
+
+def test_invalid_reference_is_rejected(backend: Any) -> None:
+    with pytest.raises(DomainError):
+        ask(backend, "s", "")
+    with pytest.raises(DomainError):
+        ask(backend, "s", "x" * 1000)
+
+
+def test_stale_term_writes_nothing(backend: Any) -> None:
+    ask(backend, "s", "blob://1")
+    ctx = make_context(backend, FAM, "s", claim(backend))
+    backend.invalidate_terms(["global"])
+    with pytest.raises(StaleTermError):
+        FAM("s", ctx)
+    assert reports(backend, "s") == []
+    row = intent(backend, FAM, "s")
+    assert row is not None and row.handled_generation == 0
