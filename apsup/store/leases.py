@@ -124,6 +124,8 @@ def validate(row: LeaseRow | None, term: Term, now: datetime | None) -> None:
     """Raise StaleTermError unless ``row`` is ``term`` and (when it expires) unexpired."""
     if row is None:
         raise StaleTermError(f"no lease row for supervisor key {term.supervisor_key!r}")
+    if row.holder_id == INVALIDATED:
+        raise StaleTermError(f"term {term.supervisor_key}#{row.generation} was invalidated")
     if row.holder_id != term.holder_id or row.generation != term.generation:
         raise StaleTermError(
             f"term {term.supervisor_key}#{term.generation} was superseded "
