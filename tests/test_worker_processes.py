@@ -20,7 +20,7 @@ import pytest
 from multiprocess.connection import wait
 
 from apsup.errors import ConfigError
-from apsup.workers import ExitCode, WorkerExit, WorkerPool
+from apsup.workers import ExitCode, ForkServerStuck, WorkerExit, WorkerPool
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -256,6 +256,23 @@ def test_terminate_all_stops_every_group_and_confirms(pool: WorkerPool, tmp_path
     assert pool.running() == []
 
 
+def test_nonblocking_terminate_escalates_through_poll(pool: WorkerPool, tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    pool.launch("a", f"{T}:sleep_with_finally", payload(path=str(a), seconds=120), LIMIT)
+    pool.launch("b", f"{T}:ignore_sigterm", payload(path=str(b), seconds=120), LIMIT)
+    pool.launch(
+        "c", f"{T}:sleep_then_finish", payload(path=str(tmp_path / "c"), seconds=0.5), LIMIT
+    )
+    wait_until(lambda: "started" in lines(a) and "started" in lines(b), "workers start")
+    pool.terminate(["a", "b", "unknown"])
+    assert {h.worker_id: h.state for h in pool.running()}["a"] == "terminating"
+    exits = drive(pool, {"a", "b", "c"})
+    assert (exits["a"].exitcode, exits["a"].terminated) == (ExitCode.TERMINATED, True)
+    assert (exits["b"].exitcode, exits["b"].terminated) == (ExitCode.KILLED_SIGKILL, True)
+    assert (exits["c"].exitcode, exits["c"].terminated) == (0, False)
+    assert not any(e.timed_out for e in exits.values())
+
+
 # --- exit confirmation ---------------------------------------------------------------------------
 
 
@@ -321,6 +338,50 @@ def test_forkserver_death_leaves_worker_unconfirmed_forever(
     assert pool.close() == [handle]
 
 
+def test_real_exit_255_is_confirmed_while_forkserver_lives(pool: WorkerPool) -> None:
+    """255 is also what multiprocess fabricates on a dead forkserver; with the forkserver alive
+    a real 255 is an ordinary confirmed exit."""
+    pool.launch("w", f"{T}:hard_exit", payload(code=255), LIMIT)
+    assert drive(pool, {"w"})["w"].exitcode == 255
+
+
+def test_wedged_forkserver_launch_times_out_and_is_replaced(tmp_path: Path) -> None:
+    marker = tmp_path / "m"
+    with WorkerPool([T], grace_seconds=1.0, confirm_seconds=1.0, launch_timeout=1.0) as p:
+        running = p.launch(
+            "w", f"{T}:sleep_with_finally", payload(path=str(marker), seconds=120), 60
+        )
+        wait_until(lambda: lines(marker) == ["started"], "worker start")
+        fs_pid = p.forkserver_pid
+        assert fs_pid is not None
+        os.kill(fs_pid, signal.SIGSTOP)  # wedged: accepts nothing, forks nothing
+        with pytest.raises(ForkServerStuck):
+            p.launch("w2", f"{T}:ok", b"{}", LIMIT)
+        assert process_state(fs_pid) is None  # killed and reaped: it can never fork "w2" later
+        assert [h.worker_id for h in p.running()] == ["w"]
+        p.poll()
+        assert running.status_lost and running.state == "unconfirmed"
+        p.launch("w3", f"{T}:ok", b"{}", LIMIT)  # a fresh forkserver serves new launches
+        assert drive(p, {"w3"})["w3"].exitcode == 0
+        wait_until(lambda: is_dead(running.pid), "orphaned worker to be killed")
+
+
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [("raise RuntimeError('boom')", "raised at import"), ("time.sleep(600)", "hangs")],
+)
+def test_broken_preload_module_is_a_startup_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str, match: str
+) -> None:
+    (tmp_path / "apsup_broken_family.py").write_text(f"import time\n{body}\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=match):
+        WorkerPool(["apsup_broken_family"], start_timeout=2.0)
+    assert time.monotonic() - started < LIMIT
+    assert WorkerPool([T]).close() == []  # nothing left behind that blocks a new pool
+
+
 # --- forkserver preload, throughput, API guards -------------------------------------------------
 
 
@@ -384,3 +445,20 @@ def test_close_terminates_running_workers_and_stops_forkserver(tmp_path: Path) -
     assert lines(marker) == ["started", "finally"]
     assert is_dead(handle.pid) and process_state(fs_pid) is None  # forkserver reaped
     assert p.closed and p.close() == []
+
+
+def test_pool_cannot_be_inherited_across_fork(pool: WorkerPool) -> None:
+    """The forkserver is per process: a forked child of a pool owner must create pools only
+    after the owner's pool is gone, and is told so clearly instead of failing obscurely."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the forked child
+        code = 3
+        try:
+            WorkerPool([T])
+            code = 1
+        except RuntimeError as exc:
+            code = 0 if "forked" in str(exc) else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

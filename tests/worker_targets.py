@@ -135,3 +135,8 @@ def spawn_grandchild(payload: bytes) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     time.sleep(args["seconds"])
     return 0
+
+
+def hard_exit(payload: bytes) -> int:
+    """Bypasses the bootstrap's exit-code rules, like a crashing C extension would."""
+    os._exit(int(_args(payload)["code"]))

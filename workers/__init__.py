@@ -4,10 +4,11 @@ forkserver, timeouts, termination and confirmed exits (``pool``), the child boot
 
 from apsup.workers.child import WorkerTerminated
 from apsup.workers.exit_codes import ExitCode
-from apsup.workers.pool import WorkerExit, WorkerHandle, WorkerPool, WorkerState
+from apsup.workers.pool import ForkServerStuck, WorkerExit, WorkerHandle, WorkerPool, WorkerState
 
 __all__ = [
     "ExitCode",
+    "ForkServerStuck",
     "WorkerExit",
     "WorkerHandle",
     "WorkerPool",

@@ -49,7 +49,7 @@ from apsup.errors import ConfigError
 from apsup.workers.child import main as _child_main
 from apsup.workers.exit_codes import ExitCode, describe
 
-__all__ = ["WorkerExit", "WorkerHandle", "WorkerPool", "WorkerState"]
+__all__ = ["ForkServerStuck", "WorkerExit", "WorkerHandle", "WorkerPool", "WorkerState"]
 
 #: ``running``: before its deadline. ``terminating``: SIGTERM sent to its group. ``killing``:
 #: SIGKILL sent. ``unconfirmed``: no exit status after SIGKILL + ``confirm_seconds``, or the
@@ -58,7 +58,12 @@ WorkerState = Literal["running", "terminating", "killing", "unconfirmed"]
 
 _CHILD_MODULE = "apsup.workers.child"
 _FORKSERVER_EOF_EXITCODE = 255  # what multiprocess reports when the status pipe hits EOF
-_START_TIMEOUT = 120.0  # forkserver start + preload imports + probe; heavy families are slow
+
+
+class ForkServerStuck(TimeoutError):
+    """The forkserver did not report a forked pid in time (wedged, or a preload import hangs).
+    The pool has killed it, so no untracked Worker can appear later; the next launch starts a
+    fresh forkserver, and Workers of the killed one become ``"unconfirmed"``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +126,9 @@ class _LeanForkServerPopen(popen_forkserver.Popen):  # type: ignore[misc]
     except for the pickler (see below).
     """
 
+    #: Seconds to wait for the forkserver to report the new pid (set by the pool per launch).
+    pid_timeout: float = 30.0
+
     def _launch(self, process_obj: Any) -> None:
         prep_data = spawn.get_preparation_data(process_obj._name)
         prep_data.pop("init_main_from_path", None)
@@ -141,6 +149,10 @@ class _LeanForkServerPopen(popen_forkserver.Popen):  # type: ignore[misc]
         self.finalizer = util.Finalize(self, util.close_fds, (_parent_w, self.sentinel))
         with open(w, "wb", closefd=True) as f:
             f.write(buf.getbuffer())
+        # Upstream blocks here forever if the forkserver is wedged (e.g. a preload import that
+        # never returns): bound it so the owner gets an error instead of a hung loop.
+        if not connection.wait([self.sentinel], self.pid_timeout):
+            raise ForkServerStuck(f"forkserver did not fork within {self.pid_timeout:g}s")
         self.pid = forkserver.read_signed(self.sentinel)
 
 
@@ -185,11 +197,15 @@ class WorkerPool:
         *,
         grace_seconds: float = 5.0,
         confirm_seconds: float = 5.0,
+        launch_timeout: float = 30.0,
+        start_timeout: float = 120.0,
     ) -> None:
         """Start the forkserver now and check that it really imported every ``preload`` module.
 
         ``grace_seconds``: SIGTERM-to-SIGKILL delay. ``confirm_seconds``: how long after SIGKILL
-        a Worker without a confirmed exit becomes ``"unconfirmed"``.
+        a Worker without a confirmed exit becomes ``"unconfirmed"``. ``launch_timeout``: bound on
+        the forkserver forking one Worker (see :class:`ForkServerStuck`). ``start_timeout``: bound
+        on the forkserver's start, including importing the preload modules.
         Raises ``ConfigError`` if a preload module could not be imported in the forkserver (it
         sees the interpreter's default ``sys.path`` plus ``PYTHONPATH`` and the working
         directory, not ``sys.path`` edits made in this process).
@@ -197,8 +213,12 @@ class WorkerPool:
         global _active
         if grace_seconds < 0 or confirm_seconds < 0:
             raise ValueError("grace_seconds and confirm_seconds must be >= 0")
+        if not (launch_timeout > 0 and start_timeout > 0):
+            raise ValueError("launch_timeout and start_timeout must be > 0")
         self.grace_seconds = float(grace_seconds)
         self.confirm_seconds = float(confirm_seconds)
+        self.launch_timeout = float(launch_timeout)
+        self.start_timeout = float(start_timeout)
         self.preload: list[str] = list(dict.fromkeys([*preload, _CHILD_MODULE]))
         self._handles: dict[str, WorkerHandle] = {}
         self._closed = False
@@ -237,16 +257,26 @@ class WorkerPool:
         try:
             payload = "\n".join([report, *self.preload]).encode()
             try:
-                handle = self.launch(
-                    "__preload_probe__", f"{_CHILD_MODULE}:probe_preload", payload, _START_TIMEOUT
+                handle = self._launch(
+                    "__preload_probe__",
+                    f"{_CHILD_MODULE}:probe_preload",
+                    payload,
+                    self.start_timeout,
+                    pid_timeout=self.start_timeout,
                 )
+            except ForkServerStuck as exc:
+                raise ConfigError(
+                    f"the Worker forkserver did not start within {self.start_timeout:g}s with "
+                    f"preload {self.preload}: a preload module's import hangs (connecting to "
+                    "something at import time?); preload modules must import without I/O"
+                ) from exc
             except (OSError, EOFError) as exc:
                 raise ConfigError(
                     f"the Worker forkserver failed to start with preload {self.preload}: "
                     "a preload module probably raised at import (not ImportError); import "
                     "each module in a plain interpreter to see the error"
                 ) from exc
-            exits = self._wait_for({handle.worker_id}, _START_TIMEOUT + self.grace_seconds)
+            exits = self._wait_for({handle.worker_id}, self.start_timeout + self.grace_seconds)
             with open(report, encoding="utf-8") as fh:
                 missing = [line for line in fh.read().splitlines() if line]
         finally:
@@ -353,8 +383,14 @@ class WorkerPool:
 
         Only ``target`` (a ``"module:function"`` str) and ``payload`` (bytes) are sent; the
         function must be importable in the Worker (ideally preloaded). ``worker_id`` must not be
-        in use by a Worker whose exit is unconfirmed.
+        in use by a Worker whose exit is unconfirmed. Raises :class:`ForkServerStuck` if the
+        forkserver does not fork within ``launch_timeout``.
         """
+        return self._launch(worker_id, target, payload, timeout, pid_timeout=self.launch_timeout)
+
+    def _launch(
+        self, worker_id: str, target: str, payload: bytes, timeout: float, *, pid_timeout: float
+    ) -> WorkerHandle:
         if self._closed:
             raise RuntimeError("WorkerPool is closed")
         if worker_id in self._handles:
@@ -368,7 +404,13 @@ class WorkerPool:
         process = _WorkerProcess(
             target=_child_main, args=(target, payload), name=f"apsup-worker-{worker_id}"
         )
-        process.start()
+        _LeanForkServerPopen.pid_timeout = pid_timeout
+        try:
+            process.start()
+        except ForkServerStuck:
+            # Kill it: a fork it performs later would be a Worker nobody supervises.
+            self._stop_forkserver(timeout=0)
+            raise
         started = time.monotonic()
         handle = WorkerHandle(
             worker_id=worker_id,
@@ -421,19 +463,28 @@ class WorkerPool:
 
     # --- termination -------------------------------------------------------------------------
 
-    def terminate_all(self, grace: float) -> list[WorkerExit]:
-        """Shutdown / lease loss: SIGTERM every group, wait up to ``grace``, SIGKILL the rest,
-        wait up to ``confirm_seconds`` for confirmation. Returns the exits confirmed meanwhile;
-        Workers still unconfirmed stay in the pool as ``"unconfirmed"``."""
-        exits = self._collect()
-        now = time.monotonic()
-        for h in self._handles.values():
-            if h.status_lost:
+    def terminate(self, worker_ids: Iterable[str] | None = None, now: float | None = None) -> None:
+        """Non-blocking stop for an event loop: SIGTERM these Workers' groups (all if ``None``)
+        now; later :meth:`poll` calls SIGKILL them after ``grace_seconds`` and report the exits
+        with ``terminated=True``. Unknown or already-stopping Workers are left as they are."""
+        now = time.monotonic() if now is None else now
+        ids = list(self._handles) if worker_ids is None else list(worker_ids)
+        for wid in ids:
+            h = self._handles.get(wid)
+            if h is None or h.status_lost:
                 continue
             h.terminated = True
             if h.state == "running":
                 self._signal_group(h, signal.SIGTERM)
                 h.state, h.term_sent_at = "terminating", now
+
+    def terminate_all(self, grace: float) -> list[WorkerExit]:
+        """Blocking shutdown / lease loss: SIGTERM every group, wait up to ``grace``, SIGKILL the
+        rest, wait up to ``confirm_seconds`` for confirmation. Returns the exits confirmed
+        meanwhile; Workers still unconfirmed stay in the pool as ``"unconfirmed"``."""
+        exits = self._collect()
+        now = time.monotonic()
+        self.terminate(now=now)
         exits.extend(self._wait_confirmed(now + grace))
         now = time.monotonic()
         for h in self._handles.values():
