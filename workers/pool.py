@@ -2,8 +2,8 @@
 
 Why a forkserver with preload: the forkserver is a fresh interpreter that imports the registered
 family modules once, before the host has opened any connection or started any thread; each Worker
-is then an ``os.fork()`` of that clean image (~4 ms here, vs ~190 ms for ``spawn``) and inherits
-no parent state (DESIGN.md §4, §6).
+is then an ``os.fork()`` of that clean image (launch to confirmed exit ~7-12 ms here vs ~250-300
+ms for ``spawn``: ``benchmarks/launch.py``) and inherits no parent state (DESIGN.md §4, §6).
 
 Exit confirmation. A Worker is the *forkserver's* child, not ours: we cannot ``waitpid`` it. The
 forkserver reaps it with ``waitpid`` and writes the wait status into a per-child pipe whose read
@@ -23,8 +23,8 @@ only one open ``WorkerPool`` may exist per process, and a pool must be created a
 its owner (the dedicated-mode launcher must fork Supervisors first; each creates its own pool).
 
 Private ``multiprocess`` internals used (pinned ``multiprocess<0.71``): ``Popen._launch`` is
-re-implemented to drop the ``__main__`` re-import, and the forkserver's pid/alive fd are read to
-detect its death and to stop it (the library has no public stop).
+re-implemented (no ``__main__`` re-import, C pickle, bounded wait for the pid), and the
+forkserver's pid/alive fd are read to detect its death and to stop it (no public stop exists).
 """
 
 from __future__ import annotations
