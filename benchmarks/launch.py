@@ -61,14 +61,17 @@ class Result:
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
 
 
-def run_forkserver(pool: WorkerPool, n: int, concurrency: int) -> Result:
-    """Keep ``concurrency`` Workers in flight through WorkerPool until ``n`` have exited."""
+def run_forkserver(pool: WorkerPool, n: int, concurrency: int, budget: float) -> Result:
+    """Keep ``concurrency`` Workers in flight through WorkerPool until ``n`` have exited (or
+    ``budget`` seconds have passed: a loaded box must not push the run past a minute)."""
     in_flight: dict[str, float] = {}
     latencies: list[float] = []
     launched = 0
     start = time.perf_counter()
-    while len(latencies) < n:
-        while len(in_flight) < concurrency and launched < n:
+    while in_flight or launched == 0:
+        while (
+            len(in_flight) < concurrency and launched < n and time.perf_counter() - start < budget
+        ):
             wid = f"b{launched}"
             in_flight[wid] = time.perf_counter()
             pool.launch(wid, TARGET, b"{}", timeout=60)
@@ -77,18 +80,21 @@ def run_forkserver(pool: WorkerPool, n: int, concurrency: int) -> Result:
         for ex in pool.poll():
             latencies.append(time.perf_counter() - in_flight.pop(ex.worker_id))
             assert ex.exitcode == 0, ex
-    return Result("forkserver+preload", concurrency, n, time.perf_counter() - start, latencies)
+    wall = time.perf_counter() - start
+    return Result("forkserver+preload", concurrency, len(latencies), wall, latencies)
 
 
-def run_spawn(n: int, concurrency: int) -> Result:
+def run_spawn(n: int, concurrency: int, budget: float) -> Result:
     """Same loop with plain ``multiprocess`` spawn processes running the same child entry."""
     ctx = multiprocess.get_context("spawn")
     in_flight: dict[int, tuple[Any, float]] = {}
     latencies: list[float] = []
     launched = 0
     start = time.perf_counter()
-    while len(latencies) < n:
-        while len(in_flight) < concurrency and launched < n:
+    while in_flight or launched == 0:
+        while (
+            len(in_flight) < concurrency and launched < n and time.perf_counter() - start < budget
+        ):
             t0 = time.perf_counter()
             proc = ctx.Process(target=child_main, args=(TARGET, b"{}"))
             proc.start()
@@ -100,7 +106,7 @@ def run_spawn(n: int, concurrency: int) -> Result:
             latencies.append(time.perf_counter() - t0)
             assert proc.exitcode == 0, proc.exitcode
             proc.close()
-    return Result("spawn", concurrency, n, time.perf_counter() - start, latencies)
+    return Result("spawn", concurrency, len(latencies), time.perf_counter() - start, latencies)
 
 
 def main() -> None:
@@ -108,6 +114,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer launches (smoke run)")
     args = parser.parse_args()
     n_fork, n_spawn = (40, 6) if args.quick else (300, 24)
+    fork_budget, spawn_budget = 5.0, 8.0  # seconds per run; keeps the whole run under 60 s
     levels = (1, 2, 8)
 
     tmp = tempfile.mkdtemp(prefix="apsup-bench-")
@@ -122,12 +129,12 @@ def main() -> None:
     t = time.perf_counter()
     with WorkerPool([FAMILY_MODULE]) as pool:
         startup = time.perf_counter() - t
-        run_forkserver(pool, 20, 1)  # warm caches
+        run_forkserver(pool, 20, 1, fork_budget)  # warm caches
         for level in levels:
-            results.append(run_forkserver(pool, n_fork, level))
-    run_spawn(2, 1)  # warm the page cache for a fair first spawn
+            results.append(run_forkserver(pool, n_fork, level, fork_budget))
+    run_spawn(2, 1, spawn_budget)  # warm the page cache for a fair first spawn
     for level in levels:
-        results.append(run_spawn(n_spawn, level))
+        results.append(run_spawn(n_spawn, level, spawn_budget))
 
     header = f"{'mode':<20}{'conc':>5}{'launches':>10}{'launches/s':>12}"
     header += f"{'mean ms':>10}{'p50 ms':>9}{'p95 ms':>9}"
