@@ -55,7 +55,11 @@ def utcnow() -> datetime:
 
 def int_setting(ctx: ExecutionContext, prefix: str, name: str, default: int) -> int:
     """``<PREFIX>_<NAME>`` from the context's settings, else ``default`` (must be >= 1)."""
-    raw = ctx.settings.get(f"{prefix}_{name}")
+    from apsup.config import DEFAULT_PREFIX
+
+    # Settings.worker_env() ships the full environment names; bare names are accepted for
+    # contexts built by hand (tests, embedding).
+    raw = ctx.settings.get(f"{DEFAULT_PREFIX}{prefix}_{name}", ctx.settings.get(f"{prefix}_{name}"))
     if raw is None:
         return default
     try:

@@ -174,16 +174,7 @@ def build_legacy(
 
 
 def migrate_legacy(url: str) -> None:
-    try:
-        migrate(url)
-    except Exception as exc:
-        text = str(exc).lower()
-        if "pc_artifact_processing_binding_states" in text and "already exists" in text:
-            pytest.xfail(
-                "revision 0001 does not yet tolerate the PR #1490 "
-                "pc_artifact_processing_binding_states table (create it only when absent)"
-            )
-        raise
+    migrate(url)
 
 
 def test_fresh_database_is_a_noop(db_url: str) -> None:

@@ -75,6 +75,11 @@ def upgrade() -> None:
         sa.Column("value", sa.BigInteger, nullable=False, server_default=sa.text("0")),
     )
     op.bulk_insert(counters, [{"name": "pending_sequence", "value": 0}])
+    # A PR #1490 deployment already has this table (with last_auto_wave_completed_at); it
+    # evolves in place in 0003 instead of being recreated (RFC §4, §11).
+    if sa.inspect(op.get_bind()).has_table("pc_artifact_processing_binding_states"):
+        _create_leases()
+        return
     op.create_table(
         "pc_artifact_processing_binding_states",
         sa.Column("binding_name", sa.String(128), primary_key=True),
@@ -83,6 +88,10 @@ def upgrade() -> None:
         sa.Column("scan_in_progress", sa.Boolean, nullable=False, server_default=sa.text("0")),
         sa.Column("scan_upper_pending_sequence", sa.BigInteger, nullable=True),
     )
+    _create_leases()
+
+
+def _create_leases() -> None:
     op.create_table(
         "pc_artifact_processing_leases",
         sa.Column("supervisor_key", sa.String(160), primary_key=True),
