@@ -1,10 +1,11 @@
-"""``apsup demo``: a self-contained workload on the embedded SQLite default, with a live view.
+"""``apsup demo``: the reference families on the embedded SQLite default, with a live view.
 
-Four families show the contract at a glance: independent intervals and budgets, a slow family
-that fills its own capacity without stopping the others, a flaky one whose failing Scopes sit in
-backoff while their siblings complete, and one with automatic admission disabled that runs only
-on explicit requests. Producers write domain input (``mark_dirty``/``request``) from a thread, as
-an application would, and notify the host over the local control channel.
+It runs topic-memory, experience, profile and handoff (``apsup.families``) with demo-sized
+intervals: independent policies and budgets, topic-memory's ordered journal with one poisoned
+Scope that fails and backs off while its siblings keep completing, experience's partial
+progress, profile's immediate cron catch-up producing Candidates for Review, and handoff running
+only on explicit requests. Producers write domain input from a thread, as an application would
+(input and intent in one transaction), and notify the host over the local control channel.
 """
 
 from __future__ import annotations
@@ -17,62 +18,60 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from apsup.context import ExecutionContext
-from apsup.registry import Family, Registry, family
-from apsup.store import migrate
+from apsup.families import experience, handoff, profile, topic_memory
+from apsup.policy import Interval
+from apsup.registry import Family
+from apsup.store import migrate, open_backend
 from apsup.supervisor.control import notify
 from apsup.supervisor.host import Host
 from apsup.supervisor.launcher import build_host
 
-registry = Registry()
+POISONED_SCOPE = "topic-3"
 
 
-def _work(ctx: ExecutionContext, seconds: float) -> None:
-    with ctx.fenced() as conn:
-        snapshot = ctx.dirty_generation(conn)
-    time.sleep(seconds)  # compute outside any transaction
-    with ctx.fenced() as conn:
-        ctx.mark_clean(conn, snapshot)
-        ctx.acknowledge(conn)
+def demo_families() -> list[Family]:
+    """The reference families with intervals shortened so progress is visible in seconds."""
+    return [
+        topic_memory.FAMILY.with_overrides(policy=Interval(2), max_workers=3, timeout=30),
+        experience.FAMILY.with_overrides(policy=Interval(3), max_workers=2, timeout=30),
+        profile.FAMILY.with_overrides(max_workers=2, timeout=30),
+        handoff.FAMILY.with_overrides(max_workers=2, timeout=30),
+    ]
 
 
-@family("demo-fast", interval=2, max_workers=3, timeout=30, registry=registry)
-def fast(scope_id: str, ctx: ExecutionContext) -> None:
-    _work(ctx, random.uniform(0.05, 0.3))
+def _seed(url: str) -> None:
+    backend = open_backend(url)
+    try:
+        with backend.transaction() as conn:
+            for i in range(1, 5):
+                profile.add_source(conn, f"profile-{i}", f"demo profile fact {i}")
+            topic_memory.append_source(conn, POISONED_SCOPE, "first source")
+            # A position that always fails: its Scope backs off, later Sources never overtake it.
+            conn.execute(
+                topic_memory.topic_poison.insert().values(scope_id=POISONED_SCOPE, position=2)
+            )
+    finally:
+        backend.dispose()
 
 
-@family("demo-slow", interval=3, max_workers=1, timeout=30, registry=registry)
-def slow(scope_id: str, ctx: ExecutionContext) -> None:
-    _work(ctx, random.uniform(1.0, 2.0))
-
-
-@family("demo-flaky", interval=2, max_workers=2, timeout=30, registry=registry)
-def flaky(scope_id: str, ctx: ExecutionContext) -> None:
-    if scope_id.endswith("-3"):
-        raise RuntimeError("demo failure: this Scope always fails and backs off")
-    _work(ctx, random.uniform(0.05, 0.2))
-
-
-@family("demo-requests", max_workers=2, timeout=30, registry=registry)
-def on_request(scope_id: str, ctx: ExecutionContext) -> None:
-    _work(ctx, random.uniform(0.1, 0.4))
-
-
-def _produce(url: str, families: list[Family], stop: threading.Event) -> None:
-    from apsup.store import open_backend
-
+def _produce(url: str, stop: threading.Event) -> None:
     backend = open_backend(url)
     rng = random.Random(7)
     try:
-        while not stop.wait(0.15):
-            fam = rng.choice(families)
-            scope = f"{fam.name.split('-', 1)[1]}-{rng.randint(1, 8)}"
+        while not stop.wait(0.1):
+            kind = rng.choice(("topic", "topic", "experience", "handoff"))
+            scope = f"{kind}-{rng.randint(1, 8)}"
             with backend.transaction() as conn:
-                if fam.name == "demo-requests":
-                    fam.request(conn, scope)
+                if kind == "topic":
+                    topic_memory.append_source(conn, scope, f"demo note {rng.random():.6f}")
+                    name = topic_memory.NAME
+                elif kind == "experience":
+                    experience.record_item(conn, scope, f"demo item {rng.random():.6f}")
+                    name = experience.NAME
                 else:
-                    fam.mark_dirty(conn, scope)
-            notify(url, fam.name)
+                    handoff.request_handoff(conn, scope, f"demo://payload/{rng.randint(1, 99)}")
+                    name = handoff.NAME
+            notify(url, name)
     finally:
         backend.dispose()
 
@@ -84,7 +83,7 @@ def _render(host: Host, out: TextIO, started: float, seconds: float, tty: bool) 
         f"term {sup.term.generation if sup.term else '-'}  ·  "
         f"{time.monotonic() - started:5.1f}s / {seconds:.0f}s  (Ctrl-C to stop)",
         "",
-        f"{'family':<15}{'policy':<16}{'capacity':>9}{'running':>9}{'ready':>7}"
+        f"{'family':<14}{'policy':<30}{'capacity':>9}{'running':>9}{'ready':>7}"
         f"{'retry-wait':>12}{'completed':>11}{'failed':>8}",
     ]
     snaps = sup.core.snapshot() if sup.core else {}
@@ -92,7 +91,7 @@ def _render(host: Host, out: TextIO, started: float, seconds: float, tty: bool) 
         snap = snaps.get(name)
         running = getattr(snap, "running", 0)
         lines.append(
-            f"{name:<15}{fam.policy.describe():<16}{f'{running}/{fam.max_workers}':>9}"
+            f"{name:<14}{fam.policy.describe():<30}{f'{running}/{fam.max_workers}':>9}"
             f"{running:>9}{getattr(snap, 'ready', 0):>7}{getattr(snap, 'retry_wait', 0):>12}"
             f"{sup.completed[name]:>11}{sup.failed[name]:>8}"
         )
@@ -115,11 +114,12 @@ def run_demo(
         Path(str(path) + suffix).unlink(missing_ok=True)
     url = f"sqlite:///{path}"
     migrate(url)
-    families = list(registry)
+    _seed(url)
+    families = demo_families()
     bundle = build_host(url, families, shutdown_grace=5.0)
     host = bundle.host
     stop = threading.Event()
-    producer = threading.Thread(target=_produce, args=(url, families, stop), daemon=True)
+    producer = threading.Thread(target=_produce, args=(url, stop), daemon=True)
     tty = out.isatty() and os.environ.get("TERM", "") != "dumb"
     started = time.monotonic()
     last_render = 0.0
