@@ -1,11 +1,11 @@
 """Drive real hosts for the acceptance tests: in-process (``LiveHost``) or as a subprocess
 (``HostProcess``, which runs ``tests.acceptance.host_runner`` so it can be SIGKILLed/SIGTERMed).
 
-Both run the real Supervisor, Worker pool and database. The only test seam is the scheduler
-class the Supervisor instantiates: :func:`scheduler_class` returns a ``Scheduler`` subclass with a
-short failure backoff (the RFC's ~30 s base would make every retry test slow), optionally a
-smaller discovery page, and optional crash points for the kill -9 tests. Decisions are
-untouched.
+Both run the real Supervisor, Worker pool and database. Hosts get a short failure backoff
+through ``build_host(backoff=...)`` (the RFC's ~30 s base would make every retry test slow). The
+only test seam is the scheduler class the Supervisor instantiates: :func:`scheduler_class`
+returns a ``Scheduler`` subclass with optionally a smaller discovery page and crash points for
+the kill -9 tests; its decisions are untouched.
 
 Waits are bounded by generous deadlines and fail with a message naming what did not happen;
 no assertion is made on durations.
@@ -43,20 +43,23 @@ LIMIT = 60.0  # generous bound for anything that must happen; never a performanc
 FAST_BACKOFF = (0.3, 1.5)  # base, cap (seconds): exponential with 10 % jitter, as in the RFC
 
 
+def make_backoff(backoff: tuple[float, float]) -> Backoff:
+    base, cap = backoff
+    return Backoff(base=base, factor=2.0, cap=cap, jitter=0.1)
+
+
 def scheduler_class(
     *,
-    backoff: tuple[float, float] = FAST_BACKOFF,
     page_size: int | None = None,
     kill_after_admissions: int | None = None,
     kill_after_scan_start: bool = False,
 ) -> type[Scheduler]:
-    """A ``Scheduler`` with test timing; the crash points SIGKILL this process.
+    """A ``Scheduler`` with a test page size; the crash points SIGKILL this process.
 
     ``kill_after_admissions=N``: right after the N-th admission committed, before the core puts
     the Scope in its ready queue (RFC acceptance 6). ``kill_after_scan_start``: right after the
     scan-start transaction committed, before any page is read.
     """
-    base, cap = backoff
 
     class AcceptanceScheduler(Scheduler):
         admissions = 0
@@ -64,7 +67,6 @@ def scheduler_class(
         def __init__(self, specs: list[Any], **kwargs: Any) -> None:
             if page_size is not None:
                 specs = [dataclasses.replace(s, page_size=page_size) for s in specs]
-            kwargs.setdefault("backoff", Backoff(base=base, factor=2.0, cap=cap, jitter=0.1))
             kwargs.setdefault("conflict_delay", 0.3)
             kwargs.setdefault("error_delay", 1.0)
             super().__init__(specs, **kwargs)
@@ -117,7 +119,7 @@ class LiveHost:
         start: bool = True,
     ) -> None:
         self.url = url
-        self._patch = patched_scheduler(scheduler_class(backoff=backoff, page_size=page_size))
+        self._patch = patched_scheduler(scheduler_class(page_size=page_size))
         self._patch.__enter__()
         try:
             self.bundle: HostBundle = build_host(
@@ -127,6 +129,7 @@ class LiveHost:
                 shutdown_grace=shutdown_grace,
                 grace_seconds=grace_seconds,
                 lease=lease_policy(),
+                backoff=make_backoff(backoff),
             )
         except BaseException:
             self._patch.__exit__(None, None, None)

@@ -22,7 +22,13 @@ import sys
 from apsup.errors import HostConflictError
 from apsup.supervisor.launcher import build_host
 from tests.acceptance import families as fams
-from tests.acceptance.harness import FAST_BACKOFF, lease_policy, patched_scheduler, scheduler_class
+from tests.acceptance.harness import (
+    FAST_BACKOFF,
+    lease_policy,
+    make_backoff,
+    patched_scheduler,
+    scheduler_class,
+)
 
 EXIT_HOST_CONFLICT = 3
 
@@ -31,7 +37,6 @@ def main(argv: list[str]) -> int:
     config = json.loads(argv[0])
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     cls = scheduler_class(
-        backoff=tuple(config.get("backoff", FAST_BACKOFF)),  # type: ignore[arg-type]
         page_size=config.get("page_size"),
         kill_after_admissions=config.get("kill_after_admissions"),
         kill_after_scan_start=bool(config.get("kill_after_scan_start", False)),
@@ -45,6 +50,7 @@ def main(argv: list[str]) -> int:
                 shutdown_grace=float(config.get("shutdown_grace", 3.0)),
                 grace_seconds=float(config.get("grace_seconds", 1.0)),
                 lease=lease_policy(),
+                backoff=make_backoff(tuple(config.get("backoff", FAST_BACKOFF))),
             )
         except HostConflictError as exc:
             print(f"apsup: {exc}", file=sys.stderr, flush=True)
