@@ -30,7 +30,7 @@ from datetime import datetime, timedelta
 from typing import TypeVar
 
 from apsup.errors import ConfigError
-from apsup.policy import Disabled, Policy, is_due
+from apsup.policy import Disabled, Policy
 from apsup.scheduling.backoff import Backoff
 from apsup.scheduling.decisions import (
     Admit,
@@ -193,6 +193,8 @@ class _Family:
         self.running = 0
         self.waiting: list[tuple[datetime, int, str]] = []  # heap of (due, tiebreak, scope)
         self.checkpoint: datetime | None = None
+        self._due_for: datetime | None = None  # memo of next_due() for this checkpoint
+        self._due: datetime | None = None
         self.scan_generation = 0
         self.scan: _Scan | None = None
         self.notifications = 0
@@ -207,6 +209,20 @@ class _Family:
 
     def has_room(self) -> bool:
         return len(self.ready) < self.limit
+
+    def next_due(self, now: datetime) -> datetime | None:
+        """``policy.next_due(checkpoint, now)``, memoised per checkpoint.
+
+        Once a checkpoint exists the next due time depends on it alone (interval: checkpoint + T;
+        cron: the first fire after it), and cron maths is costly while ``decide`` runs often.
+        Without a checkpoint the first check is due at once (``now``).
+        """
+        if self.checkpoint is None:
+            return self.spec.policy.next_due(None, now)
+        if self._due_for != self.checkpoint:
+            self._due_for = self.checkpoint
+            self._due = self.spec.policy.next_due(self.checkpoint, now)
+        return self._due
 
 
 # --- the scheduler -------------------------------------------------------------------------------
@@ -367,7 +383,7 @@ class Scheduler:
             automatic = FetchScanPage(
                 f.name, scan.generation, scan.after_sequence, scan.upper, f.spec.page_size
             )
-        elif is_due(f.spec.policy, f.checkpoint, now):
+        elif (due := f.next_due(now)) is not None and due <= now:
             automatic = StartScan(f.name, f.spec.policy.checkpoint_for(now))
         if requests is not None and automatic is not None:
             return requests if f.requests_turn else automatic
@@ -634,7 +650,7 @@ class Scheduler:
             if f.waiting:
                 consider(max(f.waiting[0][0], now))
             if f.scan is None:
-                due = f.spec.policy.next_due(f.checkpoint, now)
+                due = f.next_due(now)
                 if due is not None:
                     consider(max(due, now))
         return earliest
@@ -648,12 +664,20 @@ class Scheduler:
         """All non-free keys of a family (bounded by running + ready + retry-wait)."""
         return {scope: key.state for scope, key in self._family(family).keys.items()}
 
+    def request_discovery_pending(self, family: str) -> bool:
+        """True while a request-discovery pass is pending or in progress for the family."""
+        return self._family(family).request_pass is not None
+
+    def running_count(self, family: str) -> int:
+        """Workers counted against the family budget (Dispatch issued, exit not yet confirmed)."""
+        return self._family(family).running
+
     def snapshot(self, now: datetime | None = None) -> dict[str, FamilySnapshot]:
         """Per-family counters for metrics and status; ``now`` lets ``due_at`` be computed."""
         result: dict[str, FamilySnapshot] = {}
         for f in self._families:
             reference = now if now is not None else f.checkpoint
-            due_at = None if reference is None else f.spec.policy.next_due(f.checkpoint, reference)
+            due_at = None if reference is None else f.next_due(reference)
             deferred = sum(1 for due, _, _ in f.waiting if now is not None and due <= now)
             result[f.name] = FamilySnapshot(
                 family=f.name,
@@ -683,30 +707,37 @@ class Scheduler:
         return result
 
     def verify(self) -> None:
-        """Check internal consistency (used by the simulation after every step).
+        """Check internal consistency (the simulation calls it after every step).
 
         Raises AssertionError naming the broken invariant.
         """
+        ready_state, running_state = KeyState.READY, KeyState.RUNNING
         for f in self._families:
-            counts = {state: 0 for state in KeyState}
-            for key in f.keys.values():
-                counts[key.state] += 1
-            ready = list(f.ready)
-            waiting = [scope for _, _, scope in f.waiting]
-            running = [s for s, k in f.keys.items() if k.state is KeyState.RUNNING]
-            if len(set(ready)) != len(ready) or len(set(waiting)) != len(waiting):
-                raise AssertionError(f"{f.name}: a key is queued twice: {ready} / {waiting}")
-            if any(f.keys[s].state is not KeyState.READY for s in ready):
-                raise AssertionError(f"{f.name}: ready queue holds a key in another state")
-            if any(f.keys[s].state is not KeyState.RETRY_WAIT for s in waiting):
-                raise AssertionError(f"{f.name}: retry-wait holds a key in another state")
-            if counts[KeyState.READY] != len(ready) or counts[KeyState.RETRY_WAIT] != len(waiting):
-                raise AssertionError(f"{f.name}: key states disagree with the queues")
-            if len(running) != f.running:
-                raise AssertionError(f"{f.name}: running count {f.running} != {running}")
+            ready: set[str] = set()
+            waiting: set[str] = set()
+            running = 0
+            for scope, key in f.keys.items():
+                if key.state is ready_state:
+                    ready.add(scope)
+                elif key.state is running_state:
+                    running += 1
+                else:
+                    waiting.add(scope)
+            queued = [scope for _, _, scope in f.waiting]
+            if (
+                ready != set(f.ready)
+                or len(ready) != len(f.ready)
+                or waiting != set(queued)
+                or len(waiting) != len(queued)
+                or running != f.running
+            ):
+                raise AssertionError(
+                    f"{f.name}: key states disagree with ready {list(f.ready)}, retry-wait "
+                    f"{queued}, running count {f.running}: {f.keys}"
+                )
             if f.running > f.budget:
                 raise AssertionError(f"{f.name}: {f.running} running > budget {f.budget}")
-            if len(ready) > f.limit:
-                raise AssertionError(f"{f.name}: ready {len(ready)} > limit {f.limit}")
+            if len(f.ready) > f.limit:
+                raise AssertionError(f"{f.name}: ready {len(f.ready)} > limit {f.limit}")
             if f.scan is not None and len(f.scan.rows) > f.spec.page_size:
                 raise AssertionError(f"{f.name}: more than one page in memory")

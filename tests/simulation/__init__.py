@@ -1,0 +1,1 @@
+"""Deterministic simulation of the scheduling core (see harness.py)."""
