@@ -357,6 +357,20 @@ def test_scan_pages_in_order_skips_busy_and_marked_rows_and_ends_when_exhausted(
     assert s.snapshot()["a"].scan_active is False
 
 
+def test_at_most_one_page_in_memory_even_if_the_shell_returns_more() -> None:
+    s = make(spec(policy=Interval(60), page_size=2))
+    finish_request_pass(s, "a", [])
+    assert isinstance(s.decide(T0), StartScan)
+    s.on_scan_started("a", 1, 9, T0)
+    assert isinstance(s.decide(T0), FetchScanPage)
+    s.on_scan_page("a", 1, [ScanRow(f"k{i}", i, 0) for i in range(1, 6)], exhausted=True)
+    s.verify()  # holds only two rows
+    for scope in ("k1", "k2"):
+        assert s.decide(T0) == Admit("a", scope, 1)
+        s.on_admitted("a", scope, False)
+    assert s.decide(T0) == FetchScanPage("a", 1, 2, 9, 2)  # the rest is fetched again
+
+
 def test_empty_binding_scan_ends_immediately() -> None:
     s = make(spec(policy=Interval(60)))
     finish_request_pass(s, "a", [])
@@ -515,6 +529,18 @@ def test_new_requests_never_reset_backoff() -> None:
     assert s.key_state("a", "x") is KeyState.RETRY_WAIT
     assert s.snapshot()["a"].next_retry_at == due
     assert s.decide(T0 + timedelta(seconds=29)) is None
+
+
+def test_key_info_reports_retry_count_and_deadline_for_failure_logs() -> None:
+    s = make(spec(), backoff=Backoff(jitter=0))
+    finish_request_pass(s, "a", rows("x"))
+    dispatch(s)
+    s.on_worker_exit("a", "x", Outcome.TIMEOUT, False, T0)
+    info = s.key_info("a", "x")
+    assert info is not None
+    assert (info.state, info.reason, info.consecutive_failures) == (KeyState.RETRY_WAIT, "retry", 1)
+    assert info.retry_at == T0 + timedelta(seconds=30)
+    assert s.key_info("a", "nobody") is None
 
 
 def test_conflict_uses_fixed_delay_without_counting_a_failure() -> None:

@@ -116,6 +116,16 @@ class KeyState(enum.Enum):
 
 
 @dataclass(frozen=True)
+class KeyInfo:
+    """One non-free key, for failure logs (retry count and delay, RFC §12)."""
+
+    state: KeyState
+    reason: DispatchReason
+    consecutive_failures: int
+    retry_at: datetime | None  # when a key in retry-wait becomes due
+
+
+@dataclass(frozen=True)
 class FamilySnapshot:
     """Per-family figures for metrics and status (no unbounded identifiers)."""
 
@@ -451,6 +461,9 @@ class Scheduler:
         if any(r.pending_sequence > scan.upper for r in page):
             page = [r for r in page if r.pending_sequence <= scan.upper]
             exhausted = True  # nothing beyond this scan's bound belongs to it
+        if len(page) > f.spec.page_size:
+            page = page[: f.spec.page_size]  # keep at most one page in memory; fetch the rest
+            exhausted = False
         scan.rows = deque(page)
         scan.last_page = exhausted or not page  # an empty page cannot make progress
         if not page:
@@ -659,6 +672,17 @@ class Scheduler:
         """The in-memory state of one key (None = free)."""
         key = self._family(family).keys.get(scope_id)
         return None if key is None else key.state
+
+    def key_info(self, family: str, scope_id: str) -> KeyInfo | None:
+        """State, trigger reason, failure count and retry deadline of one key (None = free)."""
+        f = self._family(family)
+        key = f.keys.get(scope_id)
+        if key is None:
+            return None
+        retry_at = None
+        if key.state is KeyState.RETRY_WAIT:
+            retry_at = next(due for due, _, scope in f.waiting if scope == scope_id)
+        return KeyInfo(key.state, key.reason, key.failures, retry_at)
 
     def keys(self, family: str) -> dict[str, KeyState]:
         """All non-free keys of a family (bounded by running + ready + retry-wait)."""
