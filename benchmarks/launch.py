@@ -68,7 +68,7 @@ def run_forkserver(pool: WorkerPool, n: int, concurrency: int, budget: float) ->
     latencies: list[float] = []
     launched = 0
     start = time.perf_counter()
-    while in_flight or launched == 0:
+    while in_flight or (launched < n and time.perf_counter() - start < budget):
         while (
             len(in_flight) < concurrency and launched < n and time.perf_counter() - start < budget
         ):
@@ -91,7 +91,7 @@ def run_spawn(n: int, concurrency: int, budget: float) -> Result:
     latencies: list[float] = []
     launched = 0
     start = time.perf_counter()
-    while in_flight or launched == 0:
+    while in_flight or (launched < n and time.perf_counter() - start < budget):
         while (
             len(in_flight) < concurrency and launched < n and time.perf_counter() - start < budget
         ):
