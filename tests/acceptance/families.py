@@ -31,6 +31,8 @@ noack      attempt 1: ``os._exit(0)`` without acknowledging; later attempts like
 hang       attempt 1: ignore SIGTERM and sleep (needs SIGKILL); later attempts like ok
 soft       attempt 1: sleep (a SIGTERM stops it gracefully); later attempts like ok
 ackcrash   consume one input and acknowledge in one transaction, then ``os._exit(1)``
+partfail   commit the first unconsumed input in its own transaction; attempt 1 then fails, later
+           attempts consume the rest and acknowledge (resuming from durable progress)
 half       consume half (rounded up) of the unconsumed inputs; mark clean only when none remain
 ordered    consume the first unconsumed input, in order; an input ``poison`` always fails
 =========  ========================================================================================
@@ -347,6 +349,19 @@ def behave(scope_id: str, ctx: ExecutionContext) -> None:
             ctx.acknowledge(conn)
             _finish(conn, event_id, "acked")
         os._exit(1)  # the acknowledgment committed; the exit is lost
+    elif kind == "partfail":
+        with ctx.fenced() as conn:  # a legitimate short business commit, not acknowledging
+            rows = _unconsumed(conn, ctx, scope_id)
+            _consume(conn, ctx, scope_id, [r[0] for r in rows[:1]])
+        if attempt == 1:
+            _note(ctx, event_id, "partfail")
+            raise RuntimeError("acceptance: failed after a partial business commit")
+        with ctx.fenced() as conn:
+            rows = _unconsumed(conn, ctx, scope_id)
+            _consume(conn, ctx, scope_id, [r[0] for r in rows])
+            ctx.mark_clean(conn, dirty)
+            ctx.acknowledge(conn)
+            _finish(conn, event_id)
     elif kind == "half":
         with ctx.fenced() as conn:
             rows = _unconsumed(conn, ctx, scope_id)
