@@ -73,6 +73,7 @@ class ExecutionContext:
     database_url: str = field(repr=False)
     settings: dict[str, str] = field(default_factory=dict, repr=False)
     _ack_pending: Connection | None = field(default=None, repr=False, init=False)
+    _fenced_conn: Connection | None = field(default=None, repr=False, init=False)
     _acknowledged: bool = field(default=False, repr=False, init=False)
 
     # -- serialisation ------------------------------------------------------------------------
@@ -129,15 +130,21 @@ class ExecutionContext:
     def fenced(self) -> Iterator[Connection]:
         """A short write transaction fenced by the dispatching term (StaleTermError if lost)."""
         with self.backend.fenced(self.term) as conn:
-            yield conn
-            ack = self._ack_pending is conn
+            outer, self._fenced_conn = self._fenced_conn, conn
+            try:
+                yield conn
+                ack = self._ack_pending is conn
+            finally:
+                self._fenced_conn = outer
         # Reached only after COMMIT succeeded.
         if ack:
             self._acknowledged = True
         self._ack_pending = None
 
     def _check_conn(self, conn: Connection) -> None:
-        if not conn.in_transaction():
+        # Only the connection this context's fenced() yielded has this term locked + validated;
+        # any other transaction (plain, or fenced by another term) would commit unfenced.
+        if conn is not self._fenced_conn or not conn.in_transaction():
             raise StaleTermError("acknowledge/mark_clean must run inside ctx.fenced()")
 
     def acknowledge(self, conn: Connection) -> bool:
