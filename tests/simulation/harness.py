@@ -47,7 +47,7 @@ from .model import CursorConflict, ModelStore, StaleTerm
 
 START = datetime(2026, 3, 29, 0, 30)  # a DST change day in Europe for the cron families
 REPLAY = "APSUP_SIM_SEED={seed} .venv/bin/pytest tests/simulation -k replay"
-MAX_DECISIONS_PER_INSTANT = 5_000
+MAX_DECISIONS_PER_DRAIN = 5_000
 QUIET_STEPS = 4_000
 QUIET_HORIZON = timedelta(hours=12)
 
@@ -83,14 +83,13 @@ class Config:
         specs: list[FamilySpec] = []
         timeouts: dict[str, float] = {}
         for i in range(rng.randint(1, 3)):
-            policy: Policy = rng.choice(
-                [
-                    Interval(rng.choice([60, 120, 300, 600])),
-                    Interval(rng.choice([45, 90])),
-                    Cron("*/5 * * * *", rng.choice(["UTC", "Europe/Berlin", "Asia/Shanghai"])),
-                    Disabled(),
-                ]
-            )
+            policies: list[Policy] = [
+                Interval(rng.choice([60, 120, 300, 600])),
+                Interval(rng.choice([45, 90])),
+                Cron("*/5 * * * *", rng.choice(["UTC", "Europe/Berlin", "Asia/Shanghai"])),
+                Disabled(),
+            ]
+            policy = rng.choice(policies)
             name = f"f{i}"
             specs.append(
                 FamilySpec(
@@ -255,8 +254,6 @@ class Simulation:
             if self.now - quiet_start > QUIET_HORIZON:
                 break
             self.tick()
-        else:
-            pass
         if not self.converged():
             raise self.fail(f"did not converge in the quiet phase: {self.pending_summary()}")
         self.final_checks()
@@ -278,7 +275,7 @@ class Simulation:
     def drain(self) -> None:
         """Ask for decisions until None, executing each before asking again (like the shell)."""
         sched = self.scheduler
-        for _ in range(MAX_DECISIONS_PER_INSTANT):
+        for _ in range(MAX_DECISIONS_PER_DRAIN):
             if sched is None or sched is not self.scheduler:
                 return
             decision = sched.decide(self.now)
@@ -293,7 +290,7 @@ class Simulation:
                 while self.events and self.events[0].at <= self.now:
                     self.handle(heapq.heappop(self.events))
                     self.check()
-        raise self.fail(f"more than {MAX_DECISIONS_PER_INSTANT} decisions at one instant")
+        raise self.fail(f"more than {MAX_DECISIONS_PER_DRAIN} decisions without going idle")
 
     # --- host lifecycle --------------------------------------------------------------------------
 
@@ -336,12 +333,16 @@ class Simulation:
         elif kind == "exit":
             self.worker_exit(event.data)
         elif kind == "crash":
+            if self.cfg.crash_mean:
+                self.at(self.rng.expovariate(1 / self.cfg.crash_mean), "crash")
             self.crash()
         elif kind in ("restart", "reacquire"):
             if event.data == self.pending_start:  # a crash may have superseded a reacquire
                 self.pending_start = None
                 self.start_host()
         elif kind == "lease_lost":
+            if self.cfg.lease_mean:
+                self.at(self.rng.expovariate(1 / self.cfg.lease_mean), "lease_lost")
             self.lease_lost()
         elif kind == "poll":
             for name in self.specs:
@@ -390,14 +391,10 @@ class Simulation:
         self.orphan_workers(kill_probability=0.5)
         self.pending_start = next(self._seq)
         self.at(self.rng.uniform(1, 60), "restart", self.pending_start)
-        if self.cfg.crash_mean:
-            self.at(self.rng.expovariate(1 / self.cfg.crash_mean), "crash")
 
     def lease_lost(self) -> None:
         if self.quiet or self.scheduler is None:
             return
-        if self.cfg.lease_mean:
-            self.at(self.rng.expovariate(1 / self.cfg.lease_mean), "lease_lost")
         if self.pending_start is not None:
             return  # already lost; the reacquire is pending
         self.store.term += 1  # another candidate took over: old-term writes are now rejected
@@ -460,9 +457,9 @@ class Simulation:
         elif isinstance(d, FetchRequests):
             if self.inject_error(sched, d, "request_page"):
                 return
-            rows, exhausted = store.request_page(d.family, d.after_sequence, d.limit)
-            self.log("  ->", rows, "exhausted =", exhausted)
-            sched.on_request_page(d.family, rows, exhausted)
+            requests, more = store.request_page(d.family, d.after_sequence, d.limit)
+            self.log("  ->", requests, "exhausted =", more)
+            sched.on_request_page(d.family, requests, more)
         elif isinstance(d, Dispatch):
             self.execute_dispatch(sched, d, term)
         else:  # pragma: no cover
