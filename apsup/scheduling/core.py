@@ -16,6 +16,20 @@ Vocabulary used below:
   "Workers free" cannot persist together.
 * One *step* is one decision in flight. A family has at most one step in flight; other families
   are unaffected by it.
+
+What the shell must do (the simulation in tests/simulation plays the same role):
+
+* Execute decisions one at a time and report each through its ``on_*`` event, or through
+  ``on_family_error`` if the query/transaction failed, before calling ``decide`` again. An error
+  whose commit may have gone through is fine: every control write is safe to repeat.
+* Report ``on_dispatched(started=True)`` only if a Worker was launched; otherwise
+  ``started=False`` (G already handled) or ``on_family_error`` (nothing launched).
+* Report ``on_worker_exit`` only once the exit is confirmed, with ``more_requested`` read from the
+  store after the exit, and pass the Dispatch ``token``: after a term change an old Worker's
+  exit must never release a key the new term is running.
+* Call ``on_lease_lost`` (or build a new Scheduler) before ``restore`` on a new term.
+* When ``decide`` returns None, sleep until ``next_wakeup`` or the next event (notification,
+  Worker exit); on MySQL a bounded poll calls ``on_notify`` for requests from other processes.
 """
 
 from __future__ import annotations
