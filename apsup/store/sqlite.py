@@ -70,6 +70,24 @@ class SqliteBackend(SqlBackend):
             cur.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_SECONDS * 1000)}")
             cur.close()
 
+        @event.listens_for(self.engine, "handle_error")
+        def _on_error(ctx: Any) -> None:
+            # SQLITE_FULL/IOERR/NOMEM/BUSY may end the whole transaction inside SQLite while
+            # SQLAlchemy still reports it open; in autocommit mode the next statement on this
+            # connection would then commit on its own, outside the lock and the term check, even
+            # if the caller catches this error. Treat it like a lost connection: SQLAlchemy
+            # invalidates it now and refuses further statements until the block rolls back.
+            conn = ctx.connection
+            if conn is None or conn.invalidated or not conn.in_transaction():
+                return
+            try:
+                ended = not conn.connection.dbapi_connection.in_transaction
+            except Exception:
+                return
+            if ended:
+                ctx.is_disconnect = True
+                ctx.invalidate_pool_on_disconnect = False  # only this connection is affected
+
         @event.listens_for(self.engine, "begin")
         def _on_begin(conn: Connection) -> None:
             if conn.get_execution_options().get(_READONLY):
