@@ -443,7 +443,7 @@ def test_effective_report_redacts_the_database_password() -> None:
     text = json.dumps(s.effective_report())
     assert "s3cret" not in text
     database = s.effective_report()["database"]
-    assert database.startswith("mysql+pymysql://") and database.endswith("@h/db")
+    assert database == "mysql+pymysql://h/db"  # credentials are dropped, not masked
     assert ":u@" not in database and "//u:" not in database
     assert "s3cret" not in repr(s)
     assert not any("s3cret" in v for v in s.worker_env().values())
