@@ -123,16 +123,17 @@ def slow_cleanup(payload: bytes) -> int:
 def spawn_grandchild(payload: bytes) -> int:
     """Forks a grandchild that ignores SIGTERM and would outlive the Worker by far."""
     args = _args(payload)
+    if args.get("child_ignores_sigterm"):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     pid = os.fork()
     if pid == 0:  # grandchild
         try:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            _write(args["path"], f"grandchild {os.getpid()}")
             time.sleep(120)
         finally:
             os._exit(0)
-    _write(args["path"], f"grandchild {pid}")
-    if args.get("child_ignores_sigterm"):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _write(args["path"], "child ready")
     time.sleep(args["seconds"])
     return 0
 

@@ -384,7 +384,8 @@ class WorkerPool:
         Only ``target`` (a ``"module:function"`` str) and ``payload`` (bytes) are sent; the
         function must be importable in the Worker (ideally preloaded). ``worker_id`` must not be
         in use by a Worker whose exit is unconfirmed. Raises :class:`ForkServerStuck` if the
-        forkserver does not fork within ``launch_timeout``.
+        forkserver does not fork within ``launch_timeout`` (``start_timeout`` when this launch
+        has to restart a dead forkserver).
         """
         return self._launch(worker_id, target, payload, timeout, pid_timeout=self.launch_timeout)
 
@@ -404,6 +405,10 @@ class WorkerPool:
         process = _WorkerProcess(
             target=_child_main, args=(target, payload), name=f"apsup-worker-{worker_id}"
         )
+        fs_pid = self.forkserver_pid
+        if fs_pid is None or not _is_alive_child(fs_pid):
+            # This launch (re)starts the forkserver, preload imports included.
+            pid_timeout = max(pid_timeout, self.start_timeout)
         _LeanForkServerPopen.pid_timeout = pid_timeout
         try:
             process.start()
