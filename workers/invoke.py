@@ -21,9 +21,8 @@ TARGET = "apsup.workers.invoke:run"
 
 
 def _say(kind: str, exc: BaseException) -> None:
-    # Only the exception type and a short, single-line message: never payloads or Source text.
-    message = str(exc).splitlines()[0][:200] if str(exc) else ""
-    print(f"apsup worker: {kind}: {type(exc).__name__}: {message}", file=sys.stderr, flush=True)
+    # Only the exception type: a message may quote Source text, prompts or a DSN (RFC §12).
+    print(f"apsup worker: {kind}: {type(exc).__name__}", file=sys.stderr, flush=True)
 
 
 def run(payload: bytes) -> int:
