@@ -9,20 +9,32 @@ Dialect facts this module is built on (DESIGN §6, §7):
 - 1205 (lock wait timeout) rolls back only the statement and 1213 (deadlock) the transaction:
   both are retried as a whole transaction, a bounded number of times. 2013 during COMMIT has an
   unknown outcome and is never blindly retried.
+- A transaction that locks a Lease row (every fenced write, claim, renewal, release) is bounded
+  on OceanBase by ``ob_trx_timeout`` (default 30 s; URL query ``apsup_fence_timeout=SECONDS``,
+  0 = the server's default of one day). Otherwise a frozen process (SIGSTOP, VM pause) holding
+  the row lock inside a fenced transaction blocks every takeover for as long as the server keeps
+  that transaction open. The server aborts it at the bound (4012/6002): nothing of it commits,
+  and the waiting candidate proceeds. The variable is session-scoped and set once per connection
+  before its first such transaction (``SET`` does not open a transaction there).
 """
 
 from __future__ import annotations
 
 from datetime import datetime, timedelta
+from typing import Any
 
-from sqlalchemy import Connection, create_engine, insert, text, update
+from sqlalchemy import Connection, create_engine, event, insert, text, update
+from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
+from apsup.errors import ConfigError
 from apsup.store.base import SqlBackend
 from apsup.store.leases import INVALIDATED, Term, read_lease, validate
 from apsup.store.schema import leases
 
 TRANSIENT_CODES = frozenset({1205, 1213, 4012, 6002, 6005, 6213, 6235})
+FENCE_TIMEOUT_SECONDS = 30.0
+FENCE_TIMEOUT_PARAM = "apsup_fence_timeout"
 
 
 def _error_code(exc: DBAPIError) -> int | None:
@@ -37,8 +49,16 @@ class MysqlBackend(SqlBackend):
 
     def __init__(self, url: str) -> None:
         super().__init__(url)
+        u = make_url(url)
+        raw = u.query.get(FENCE_TIMEOUT_PARAM)
+        try:
+            self.fence_timeout = FENCE_TIMEOUT_SECONDS if raw is None else float(str(raw))
+        except ValueError:
+            raise ConfigError(
+                f"database URL parameter {FENCE_TIMEOUT_PARAM} must be a number of seconds"
+            ) from None
         self.engine = create_engine(
-            url,
+            u.difference_update_query([FENCE_TIMEOUT_PARAM]),
             isolation_level="READ COMMITTED",
             pool_pre_ping=True,
             pool_recycle=1800,
@@ -46,6 +66,27 @@ class MysqlBackend(SqlBackend):
             max_overflow=8,
         )
         self.read_engine = self.engine
+
+        @event.listens_for(self.engine, "connect")
+        def _on_connect(dbapi_conn: Any, rec: Any) -> None:
+            # PyMySQL reports "5.7.25" as the server version; VERSION() names OceanBase.
+            cur = dbapi_conn.cursor()
+            try:
+                cur.execute("SELECT VERSION()")
+                row = cur.fetchone()
+                rec.info["apsup_oceanbase"] = bool(row) and "oceanbase" in str(row[0]).lower()
+            finally:
+                cur.close()
+                dbapi_conn.rollback()  # leave no implicit transaction open
+
+    def _bound(self, conn: Connection) -> None:
+        """Bound this session's transactions (OceanBase) before the Lease row is locked."""
+        if self.fence_timeout <= 0:
+            return
+        info = conn.connection.info
+        if info.get("apsup_oceanbase") and not info.get("apsup_bounded"):
+            conn.exec_driver_sql(f"SET ob_trx_timeout = {int(self.fence_timeout * 1_000_000)}")
+            info["apsup_bounded"] = True
 
     def _is_transient(self, exc: DBAPIError) -> bool:
         return _error_code(exc) in TRANSIENT_CODES
@@ -63,6 +104,7 @@ class MysqlBackend(SqlBackend):
         return self._db_now(conn) + timedelta(seconds=lease_seconds)
 
     def _lock_term(self, conn: Connection, term: Term) -> None:
+        self._bound(conn)
         row = read_lease(conn, term.supervisor_key, for_update=True)
         # Expiry is evaluated only now that the row lock is held (NOW(6) includes lock wait).
         validate(row, term, self._db_now(conn))
@@ -71,6 +113,7 @@ class MysqlBackend(SqlBackend):
         """Take the Lease if it is free or expired; takeover always increments generation."""
 
         def body(conn: Connection) -> Term | None:
+            self._bound(conn)
             row = read_lease(conn, key, for_update=True)
             now = self._db_now(conn)
             expires = now + timedelta(seconds=lease_seconds)
@@ -105,6 +148,7 @@ class MysqlBackend(SqlBackend):
 
     def renew_term(self, term: Term, lease_seconds: float) -> bool:
         def body(conn: Connection) -> bool:
+            self._bound(conn)
             row = read_lease(conn, term.supervisor_key, for_update=True)
             now = self._db_now(conn)
             try:
@@ -125,6 +169,7 @@ class MysqlBackend(SqlBackend):
         takeover increments generation)."""
 
         def body(conn: Connection) -> None:
+            self._bound(conn)
             row = read_lease(conn, term.supervisor_key, for_update=True)
             if row is None or (row.holder_id, row.generation) != (term.holder_id, term.generation):
                 return
