@@ -1,0 +1,535 @@
+"""``Runtime(settings, registry).run()``: one replica, organised by role and mode (RFC §8, §9).
+
+Roles (``POWERCONTEXT_SERVER_RUNTIME_ARTIFACT_PROCESSING_ROLE``):
+
+- ``all``: background processing plus the API surface of this process (health/readiness/metrics;
+  the application's own domain API publishes intent with ``Family.mark_dirty``/``request`` in its
+  transactions and needs no leadership).
+- ``api``: serves health/readiness/metrics only. It never claims a Lease, never dispatches and
+  never starts a Worker pool; domain code in the same process accepts intent as usual.
+- ``background``: candidate Supervisors only.
+
+SQLite accepts only ``all`` (one host process; the host lock refuses a second one).
+
+Modes: ``global`` runs one Supervisor (Lease ``global``) for every family in this host process.
+``dedicated`` runs one Supervisor per family (Lease ``artifact:<family>``): inside this process
+on SQLite, and on MySQL/OceanBase as one child process per family, supervised by
+``apsup.supervisor.dedicated`` (restart with backoff, stop all on SIGTERM/SIGINT).
+
+Standby replicas are healthy: they keep trying to claim at every renewal interval, answer
+``/readyz`` with status ``standby`` (HTTP 200) and never exit for not being elected. Only the
+leader of a key dispatches, so a family's Worker budget is never multiplied by replicas.
+
+The loop is synchronous and uses PyMySQL (SQLAlchemy's ``mysql+pymysql``): one thread drives the
+host; the HTTP server only reads a snapshot the loop publishes after every cycle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy.exc import DBAPIError
+
+from apsup.errors import ConfigError
+from apsup.observability.health import HealthServer, Heartbeat
+from apsup.observability.logging import configure_logging, log_startup
+from apsup.observability.metrics import SupervisorMetrics
+from apsup.observability.status import FamilyStatus, StatusSnapshot, SupervisorStatus
+from apsup.policy import Disabled
+from apsup.registry import Family, Registry
+from apsup.scheduling import Backoff
+from apsup.store import SqlBackend, backend_kind, intents, open_backend
+from apsup.supervisor.host import Host, LeasePolicy
+from apsup.supervisor.launcher import MODES, build_host
+from apsup.supervisor.supervisor import Hooks
+
+if TYPE_CHECKING:
+    from apsup.config import Settings
+
+log = logging.getLogger("apsup.runtime")
+
+ROLES = ("all", "api", "background")
+#: The loop wakes at least this often (no database access unless something is due), so the
+#: liveness heartbeat stays fresh on an idle SQLite host that otherwise sleeps until an event.
+HEARTBEAT_SECONDS = 1.0
+LIVENESS_TIMEOUT = 30.0
+#: Unacknowledged-request counts (a metric) are refreshed at most this often.
+COUNT_INTERVAL = 10.0
+
+
+def check_topology(settings: Settings) -> str:
+    """Validate role x mode x backend; returns ``api``, ``host`` or ``processes``.
+
+    ``Settings.load`` already rejects a non-``all`` role on SQLite; this re-checks for settings
+    built another way, so multi-process SQLite can never be enabled by accident (RFC §8).
+    """
+    if settings.role not in ROLES:
+        raise ConfigError(f"unknown role {settings.role!r}: use one of {', '.join(ROLES)}")
+    if settings.mode not in MODES:
+        raise ConfigError(f"unknown mode {settings.mode!r}: use 'global' or 'dedicated'")
+    kind = backend_kind(settings.database_url)
+    if kind == "sqlite" and settings.role != "all":
+        raise ConfigError(
+            f"role {settings.role!r} needs a shared MySQL/OceanBase database; SQLite runs one "
+            f"host with role 'all' (set {settings.prefix}ARTIFACT_PROCESSING_ROLE=all)"
+        )
+    if settings.role == "api":
+        return "api"
+    if kind == "mysql" and settings.mode == "dedicated":
+        return "processes"
+    return "host"
+
+
+class MetricsHooks(Hooks):
+    """Supervisor hooks forwarded to ``SupervisorMetrics`` (whose hooks never raise)."""
+
+    def __init__(self, metrics: SupervisorMetrics) -> None:
+        self.metrics = metrics
+
+    def on_dispatch(self, family: str) -> None:
+        self.metrics.on_dispatch(family)
+
+    def on_exit(self, family: str, cause: str | None, duration: float) -> None:
+        self.metrics.on_exit(family, cause, duration)
+
+    def on_scan_started(self, family: str) -> None:
+        self.metrics.on_scan_started(family)
+
+    def on_scan_completed(self, family: str) -> None:
+        self.metrics.on_scan_completed(family)
+
+    def observe_discovery(self, family: str, seconds: float) -> None:
+        self.metrics.observe_discovery(family, seconds)
+
+
+def _iso(value: Any) -> str | None:
+    return None if value is None else value.isoformat() + "Z"
+
+
+class HostObserver:
+    """Runs on the loop thread after every cycle: beats the heartbeat, publishes the status
+    snapshot the HTTP thread serves, and updates gauges. Never raises into the loop."""
+
+    def __init__(
+        self,
+        *,
+        role: str,
+        mode: str,
+        metrics: SupervisorMetrics,
+        heartbeat: Heartbeat,
+        lease_read_seconds: float,
+        count_seconds: float = COUNT_INTERVAL,
+    ) -> None:
+        self.role = role
+        self.mode = mode
+        self.metrics = metrics
+        self.heartbeat = heartbeat
+        self.lease_read_seconds = lease_read_seconds
+        self.count_seconds = count_seconds
+        self.snapshot: StatusSnapshot = {
+            "role": role,
+            "mode": mode,
+            "supervisors": [],
+            "heartbeat_age": 0.0,
+        }
+        self._next_lease_read = 0.0
+        self._lease_view: dict[str, tuple[str, int]] = {}
+        self._lease_error: str | None = None
+        self._next_count = 0.0
+        self._activity = -1
+        self._unacked: dict[str, int] = {}
+
+    def __call__(self, host: Host) -> None:
+        self.heartbeat.beat()
+        try:
+            self._observe(host)
+        except Exception:  # observability must never break scheduling
+            log.debug("status snapshot failed", exc_info=True)
+
+    def status(self) -> StatusSnapshot:
+        return self.snapshot
+
+    def _read_leases(self, host: Host, now: float) -> None:
+        # Elected backends only: a cheap read of the Lease table at the renewal cadence tells a
+        # standby who leads, and reports an unreachable database as a lease error.
+        if not host.elected or now < self._next_lease_read:
+            return
+        self._next_lease_read = now + self.lease_read_seconds
+        try:
+            rows = host.backend.lease_rows()
+        except Exception as exc:
+            self._lease_error = f"lease table unreadable: {type(exc).__name__}"
+            return
+        self._lease_error = None
+        self._lease_view = {r.supervisor_key: (r.holder_id, r.generation) for r in rows}
+
+    def _count(self, host: Host, now: float) -> None:
+        # Requested > handled per family, for leaders only. On SQLite only after activity, so an
+        # idle host performs no periodic database reads (RFC §8).
+        if now < self._next_count:
+            return
+        activity = sum(
+            sum(s.completed.values()) + sum(s.failed.values()) + len(s.running)
+            for s in host.supervisors
+        )
+        if not host.elected and activity == self._activity:
+            return
+        self._next_count = now + self.count_seconds
+        self._activity = activity
+        leaders = [s for s in host.supervisors if s.term is not None]
+        if not leaders:
+            return
+        try:
+            with host.backend.read() as conn:
+                for sup in leaders:
+                    for fam in sup.families.values():
+                        n = intents.count_pending_requests(conn, fam.binding_name)
+                        self._unacked[fam.name] = n
+                        self.metrics.set_unacknowledged(fam.name, n)
+        except Exception:
+            log.debug("counting unacknowledged requests failed", exc_info=True)
+
+    def _observe(self, host: Host) -> None:
+        now = time.monotonic()
+        self._read_leases(host, now)
+        self._count(host, now)
+        sups: list[SupervisorStatus] = []
+        for sup in host.supervisors:
+            snaps = sup.core.snapshot() if sup.core is not None else {}
+            families: dict[str, FamilyStatus] = {}
+            for name, fam in sup.families.items():
+                snap = snaps.get(name)
+                reason: str | None = None
+                status: Any = "ok"
+                if isinstance(fam.policy, Disabled):
+                    status, reason = "disabled", "automatic admission disabled"
+                failed = name in sup.degraded or (snap is not None and snap.degraded)
+                if sup.term is not None and failed:
+                    status = "degraded"
+                    reason = sup.degraded.get(name) or (
+                        snap.last_error_stage if snap is not None else None
+                    )
+                running = snap.running if snap is not None else 0
+                ready = snap.ready if snap is not None else 0
+                retry_wait = snap.retry_wait if snap is not None else 0
+                families[name] = {
+                    "status": status,
+                    "reason": reason,
+                    "budget": fam.max_workers,
+                    "running": running,
+                    "ready": ready,
+                    "retry_wait": retry_wait,
+                    "next_retry_at": _iso(snap.next_retry_at) if snap is not None else None,
+                    "due_at": _iso(snap.due_at) if snap is not None else None,
+                    "unacknowledged": self._unacked.get(name),
+                }
+                self.metrics.update_family(name, fam.max_workers, running, ready, retry_wait)
+            term = sup.term
+            holder, generation = self._lease_view.get(sup.key, (None, None))  # type: ignore[arg-type]
+            if term is not None:
+                holder, generation = term.holder_id, term.generation
+            if generation is not None:
+                self.metrics.set_leadership(sup.key, term is not None, generation)
+            entry: SupervisorStatus = {
+                "key": sup.key,
+                "leader": term is not None,
+                "holder": holder,
+                "generation": generation,
+                "families": families,
+            }
+            if self._lease_error is not None:
+                entry["lease_error"] = self._lease_error
+            sups.append(entry)
+        self.snapshot = {
+            "role": self.role,
+            "mode": self.mode,
+            "supervisors": sups,
+            "heartbeat_age": 0.0,
+        }
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+@contextlib.contextmanager
+def _signals(handler: Callable[[], None]) -> Iterator[None]:
+    """SIGTERM/SIGINT call ``handler`` while inside; previous handlers restored after.
+
+    Outside the main thread (an embedding application, tests) nothing is installed: the caller
+    stops the Runtime with ``Runtime.stop()``.
+    """
+    if not _main_thread():
+        yield
+        return
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def on_signal(signum: int, frame: Any) -> None:
+        handler()
+
+    for s in previous:
+        signal.signal(s, on_signal)
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _check_schema(backend: SqlBackend) -> None:
+    """Fail fast with a clear message when the schema is missing; transient errors are logged
+    (the loop keeps trying: a standby must not exit because the database is briefly away)."""
+    try:
+        backend.lease_rows()
+    except DBAPIError as exc:
+        text = str(exc.orig).lower()
+        if "no such table" in text or "doesn't exist" in text or "does not exist" in text:
+            raise ConfigError(
+                f"the apsup schema is missing in {backend.describe()}: run `apsup migrate` "
+                "(during maintenance) before starting replicas"
+            ) from None
+        log.warning(
+            "database check failed at startup; will keep trying",
+            extra={"exception_type": type(exc).__name__},
+        )
+
+
+class Runtime:
+    """One replica of apsup: see the module docstring.
+
+    ``backoff`` replaces the RFC §7 failure backoff (tests and embedders that need quick
+    retries); ``heartbeat_seconds`` bounds how long the loop sleeps without beating.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        registry: Registry,
+        *,
+        backoff: Backoff | None = None,
+        heartbeat_seconds: float = HEARTBEAT_SECONDS,
+        liveness_timeout: float = LIVENESS_TIMEOUT,
+        configure_logs: bool = False,
+    ) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.backoff = backoff
+        self.heartbeat_seconds = heartbeat_seconds
+        self.liveness_timeout = liveness_timeout
+        self.configure_logs = configure_logs
+        self.topology = check_topology(settings)
+        self._stopping = threading.Event()
+        self._host: Host | None = None
+        self._launcher: Any = None
+        self._health: HealthServer | None = None
+        #: Set once the HTTP server (if any) is bound and the loop is running.
+        self.started = threading.Event()
+
+    # -- public -----------------------------------------------------------------------------
+    def families(self) -> list[Family]:
+        fams = [self.settings.families[name] for name in sorted(self.settings.families)]
+        if not fams:
+            raise ConfigError("no family is registered; pass --app with the module defining them")
+        return fams
+
+    @property
+    def http_port(self) -> int | None:
+        """The bound health/metrics port (None when HTTP is off or not started yet)."""
+        if self._health is None:
+            return None
+        try:
+            return self._health.port
+        except RuntimeError:
+            return None
+
+    @property
+    def host(self) -> Host | None:
+        return self._host
+
+    def stop(self) -> None:
+        """Graceful stop, from any thread or a signal handler."""
+        self._stopping.set()
+        if self._host is not None:
+            self._host.stop()
+        if self._launcher is not None:
+            self._launcher.stop()
+
+    def run(self) -> None:
+        """Run until SIGTERM/SIGINT (main thread) or ``stop()``."""
+        s = self.settings
+        if self.configure_logs:
+            _configure_logs(s.log_format, s.log_level)
+        log.info(
+            "runtime starting",
+            extra={
+                "role": s.role,
+                "mode": s.mode,
+                "backend": s.backend,
+                "topology": self.topology,
+            },
+        )
+        with _signals(self.stop):
+            if self.topology == "api":
+                self._run_api()
+            elif self.topology == "processes":
+                from apsup.supervisor.dedicated import DedicatedLauncher
+
+                backend = open_backend(s.database_url)
+                try:
+                    _check_schema(backend)
+                finally:
+                    backend.dispose()  # no connection survives into the children's spawn
+                self._launcher = DedicatedLauncher(s, self.registry, backoff=self.backoff)
+                if self._stopping.is_set():
+                    return
+                self._launcher.run(on_started=self.started.set)
+            else:
+                self.run_host(self.families(), s.mode)
+
+    # -- roles ------------------------------------------------------------------------------
+    def _start_http(
+        self, status: Callable[[], StatusSnapshot], metrics: Any, heartbeat: Heartbeat | None
+    ) -> None:
+        port = self.settings.http_port
+        if port is None:
+            return
+        self._health = HealthServer(
+            metrics=metrics,
+            status=status,
+            heartbeat=heartbeat,
+            liveness_timeout=self.liveness_timeout,
+            host=self.settings.http_host,
+            port=port,
+        )
+        self._health.start()
+        log.info("http listening", extra={"host": self.settings.http_host, "port": self.http_port})
+
+    def _stop_http(self) -> None:
+        if self._health is not None:
+            self._health.stop()
+
+    def _run_api(self) -> None:
+        """Serve health and metrics; claim nothing, dispatch nothing, start no Workers."""
+        s = self.settings
+        backend = open_backend(s.database_url)
+        try:
+            _check_schema(backend)
+        finally:
+            backend.dispose()
+        log_startup(
+            log,
+            mode=s.mode,
+            role=s.role,
+            families=_any(self.families()),
+            aliases=s.aliases_in_use,
+            database_url=s.database_url,
+        )
+        heartbeat = Heartbeat()
+        metrics = SupervisorMetrics(families=[f.name for f in self.families()])
+        snapshot: StatusSnapshot = {
+            "role": "api",
+            "mode": s.mode,
+            "supervisors": [],
+            "heartbeat_age": 0.0,
+        }
+        self._start_http(lambda: snapshot, metrics, heartbeat)
+        self.started.set()
+        try:
+            while not self._stopping.wait(self.heartbeat_seconds):
+                heartbeat.beat()
+        finally:
+            self._stop_http()
+            log.info("runtime stopped", extra={"role": "api"})
+
+    def run_host(self, families: Sequence[Family], mode: str) -> None:
+        """One host process running every Supervisor of ``mode`` for ``families``.
+
+        Used for ``global`` (any backend), ``dedicated`` on SQLite, and by each per-family child
+        of the dedicated launcher on MySQL.
+        """
+        s = self.settings
+        lease = LeasePolicy(s.lease_seconds, s.renew_seconds, s.poll_seconds)
+        metrics = SupervisorMetrics(families=[f.name for f in families])
+        worker_env = s.worker_env(families[0].name) if len(families) == 1 else s.worker_env()
+        backend = open_backend(s.database_url)
+        try:
+            _check_schema(backend)
+        finally:
+            backend.dispose()
+        bundle = build_host(
+            s.database_url,
+            list(families),
+            mode=mode,
+            lease=lease,
+            worker_settings=worker_env,
+            hooks=MetricsHooks(metrics),
+            shutdown_grace=s.shutdown_grace_seconds,
+            backoff=self.backoff,
+        )
+        host = bundle.host
+        heartbeat = Heartbeat()
+        observer = HostObserver(
+            role=s.role,
+            mode=s.mode,
+            metrics=metrics,
+            heartbeat=heartbeat,
+            lease_read_seconds=s.renew_seconds,
+        )
+        host.on_cycle = observer
+        self._host = host
+        if self._stopping.is_set():
+            host.stop()
+        try:
+            self._start_http(observer.status, metrics, heartbeat)
+            host.start()
+            observer(host)
+            log_startup(
+                log,
+                mode=s.mode,
+                role=s.role,
+                families=_any(families),
+                terms={
+                    sup.key: sup.term.generation for sup in host.supervisors if sup.term is not None
+                },
+                aliases=s.aliases_in_use,
+                database_url=s.database_url,
+            )
+            self.started.set()
+            while not host.stopping.is_set():
+                host.cycle(max_wait=self.heartbeat_seconds)
+        finally:
+            try:
+                host.shutdown()
+            finally:
+                bundle.close()
+                self._stop_http()
+                self._host = None
+                log.info("runtime stopped", extra={"mode": mode, "role": s.role})
+
+
+def _any(families: Sequence[Family]) -> list[Any]:
+    # log_startup's protocol declares settable attributes; Family is a frozen record.
+    return list(families)
+
+
+def _configure_logs(fmt: str, level: str) -> None:
+    """Install apsup's redacting handler; drop a plain stderr handler (``basicConfig``) so that
+    lines are not printed twice."""
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if type(h) is logging.StreamHandler and getattr(h, "stream", None) in (
+            sys.stderr,
+            sys.stdout,
+        ):
+            root.removeHandler(h)
+    configure_logging(fmt, level)  # type: ignore[arg-type]
+
+
+__all__ = ["ROLES", "HostObserver", "MetricsHooks", "Runtime", "check_topology"]
