@@ -342,6 +342,9 @@ class Runtime:
     @property
     def http_port(self) -> int | None:
         """The bound health/metrics port (None when HTTP is off or not started yet)."""
+        if self._launcher is not None:
+            port: int | None = self._launcher.http_port
+            return port
         if self._health is None:
             return None
         try:
