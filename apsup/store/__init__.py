@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from sqlalchemy.engine import make_url
@@ -10,7 +11,16 @@ from apsup.errors import ConfigError
 from apsup.store.base import SqlBackend, redact_url
 from apsup.store.leases import Backend, Term
 
-__all__ = ["Backend", "SqlBackend", "Term", "backend_kind", "migrate", "open_backend", "redact_url"]
+__all__ = [
+    "Backend",
+    "SqlBackend",
+    "Term",
+    "backend_kind",
+    "migrate",
+    "open_backend",
+    "redact_url",
+    "worker_preload",
+]
 
 
 def backend_kind(url: str) -> str:
@@ -38,6 +48,18 @@ def open_backend(url: str) -> SqlBackend:
     from apsup.store.mysql import MysqlBackend
 
     return MysqlBackend(url)
+
+
+def worker_preload(url: str) -> list[str]:
+    """Modules a Worker imports to open the backend of ``url`` (apsup backend module, SQLAlchemy
+    dialect, DBAPI driver), for the forkserver to import once instead of every Worker: the
+    SQLite dialect and ``sqlite3`` alone cost 20-40 ms per launch on a 2-core machine."""
+    kind = backend_kind(url)
+    dialect = make_url(url).get_dialect()
+    modules = [f"apsup.store.{kind}", dialect.__module__]
+    with contextlib.suppress(ImportError):  # a missing driver: open_backend reports it
+        modules.append(dialect.import_dbapi().__name__)
+    return modules
 
 
 def migrations_dir() -> Path:

@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 from apsup.errors import ConfigError
 from apsup.registry import Family
 from apsup.scheduling import Backoff
-from apsup.store import SqlBackend, open_backend
+from apsup.store import SqlBackend, open_backend, worker_preload
 from apsup.store.leases import GLOBAL_KEY, dedicated_key
 from apsup.supervisor.control import ControlChannel, HostLock
 from apsup.supervisor.host import Host, LeasePolicy
 from apsup.supervisor.supervisor import Hooks, Supervisor
+from apsup.workers.invoke import TARGET
 from apsup.workers.pool import WorkerPool
 
 log = logging.getLogger("apsup.launcher")
@@ -84,7 +85,12 @@ def build_host(
             lock = HostLock(database_url)
             lock.acquire()
             control = ControlChannel(database_url)
-        modules = sorted({f.entry_point.split(":", 1)[0] for f in families})
+        # Everything a Worker imports is preloaded by the forkserver once: the families, the
+        # invoke wrapper and the backend's dialect + driver (otherwise each launch imports them).
+        modules = sorted(
+            {f.entry_point.split(":", 1)[0] for f in families}
+            | {TARGET.split(":", 1)[0], *worker_preload(database_url)}
+        )
         pool = WorkerPool(modules, grace_seconds=grace_seconds)
     except BaseException:
         if control is not None:
