@@ -180,3 +180,40 @@ def test_duplicate_invocation_of_an_acknowledged_generation_consumes_nothing(hos
     row = intent(store, fam, "ackcrash.d")
     assert (row.requested_generation, row.handled_generation) == (1, 1)
     assert row.dirty_generation > row.clean_generation  # i2 waits for a new request
+
+
+def test_crash_between_input_reference_and_intent_publication_leaves_no_hidden_work(hosts, store):
+    """Domain input and its dirty marker commit in one transaction: a process killed before the
+    commit leaves neither; one that commits leaves both, and a check discovers it."""
+    fam = configure("acc-a", interval=0.5, max_workers=1)
+    code = (
+        "import os, sys\n"
+        "from apsup.store import open_backend\n"
+        "from tests.acceptance.families import add_inputs, configure\n"
+        "fam = configure('acc-a')\n"
+        "backend = open_backend(sys.argv[1])\n"
+        "with backend.transaction() as conn:\n"
+        "    add_inputs(conn, fam, sys.argv[2], ['x'])\n"
+        "    if sys.argv[3] == 'crash':\n"
+        "        os._exit(9)  # input referenced and marker written, nothing committed\n"
+    )
+    for scope, mode, expected in (("ok.crashed", "crash", 9), ("ok.committed", "commit", 0)):
+        done = subprocess.run(
+            [sys.executable, "-c", code, store.url, scope, mode],
+            capture_output=True,
+            cwd=REPO_ROOT,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == expected, done.stderr
+    with store.read() as conn:
+        assert input_rows(conn, fam.name, "ok.crashed") == []
+        assert len(input_rows(conn, fam.name, "ok.committed")) == 1
+    assert intent(store, fam, "ok.crashed") is None
+
+    host = hosts.live_host([fam])
+    host.run_until(
+        lambda: intent(store, fam, "ok.committed").clean_generation == 1,
+        "a check discovers and processes the committed input",
+    )
+    assert scope_events(store, fam, "ok.crashed") == []
