@@ -8,17 +8,32 @@ after the scan-start or the N-th admission transaction committed). The ``keep`` 
 acknowledges without marking clean, so every Scope stays dirty: only the scan's
 last-auto-scan marker can stop a restarted scan from admitting an already handled Scope again.
 The interval is long, so the only automatic scan in the test is the first one.
+
+A Worker orphaned by the kill keeps running; the restarted host's new term fences its commits.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
 import pytest
 
 from tests.acceptance.families import configure
-from tests.acceptance.harness import all_intents, events, scan_state, wait_for, write
+from tests.acceptance.harness import (
+    all_intents,
+    events,
+    handled,
+    intent,
+    pid_alive,
+    request,
+    scan_state,
+    scope_events,
+    set_flag,
+    wait_for,
+    write,
+)
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.backends("sqlite")]
 
@@ -119,3 +134,36 @@ def test_continuous_registration_still_lets_a_scan_finish(hosts, store):
         # The scan's membership was fixed at its start; later Scopes wait for the next check.
         expected = 1 if scope in inside else 0
         assert row.last_auto_scan_generation == expected, (scope, row)
+
+
+def test_orphaned_worker_of_a_killed_host_cannot_commit(hosts, store):
+    """kill -9 of the host leaves its Worker running; the restarted host's new term runs the
+    Scope again, and the orphan's acknowledgment (fenced by the old term) never commits."""
+    spec = {"acc-manual": {"disabled": True, "max_workers": 2}}
+    fam = configure("acc-manual", **spec["acc-manual"])
+    request(store, fam, "gate.o", tell=False)
+    first = hosts.process(spec)
+    wait_for(lambda: scope_events(store, fam, "gate.o"), "the first host's Worker starts")
+    (orphan,) = scope_events(store, fam, "gate.o")
+    try:
+        first.signal(signal.SIGKILL)
+        assert first.wait() == -signal.SIGKILL
+        assert pid_alive(orphan["pid"]), "the Worker should survive its host"
+
+        second = hosts.process(spec)
+        second.wait_ready()
+        wait_for(lambda: len(scope_events(store, fam, "gate.o")) == 2, "the new term runs it again")
+        set_flag(store, "gate:gate.o")  # both Workers now try to acknowledge
+        wait_for(lambda: handled(store, fam, "gate.o"), "the new Worker acknowledges")
+        wait_for(lambda: not pid_alive(orphan["pid"]), "the orphan exits")
+    finally:
+        if pid_alive(orphan["pid"]):
+            os.kill(orphan["pid"], signal.SIGKILL)
+    old, new = scope_events(store, fam, "gate.o")
+    assert new["term"] > old["term"]
+    assert (old["ended_us"], old["outcome"]) == (None, None), "an old-term commit went through"
+    assert new["outcome"] == "ok"
+    row = intent(store, fam, "gate.o")
+    assert (row.requested_generation, row.handled_generation) == (1, 1)
+    second.signal(signal.SIGTERM)
+    assert second.wait() == 0
