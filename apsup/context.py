@@ -107,6 +107,12 @@ class ExecutionContext:
                 raise ContextError(f"execution context field {name!r} has the wrong type")
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in data["settings"].items()):
             raise ContextError("execution context settings must map strings to strings")
+        for name in ("claimed_request_generation", "supervisor_generation", "pending_sequence"):
+            if data[name] < 1:
+                raise ContextError(f"execution context field {name!r} must be >= 1")
+        for name in ("binding_name", "artifact_family", "scope_id", "supervisor_key", "worker_id"):
+            if not data[name]:
+                raise ContextError(f"execution context field {name!r} must not be empty")
         return cls(**data)
 
     def __repr__(self) -> str:
