@@ -28,12 +28,23 @@ import pytest
 from apsup.errors import ConfigError, HostConflictError
 from apsup.registry import Registry, family
 from apsup.store import open_backend
-from apsup.supervisor.control import notify
 from apsup.supervisor.dedicated import DedicatedLauncher, _Child, child_env
 from apsup.supervisor.runtime import Runtime, check_topology
 from tests.replicas import families
 from tests.replicas.cluster import Cluster, descendants
-from tests.replicas.support import FAST_BACKOFF, http_get, running, settings_for, wait_for
+from tests.replicas.support import (
+    FAST_BACKOFF,
+    http_get,
+    running,
+    settings_for,
+    wait_for,
+)
+from tests.replicas.support import (
+    handled as _handled,
+)
+from tests.replicas.support import (
+    request as _request,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -155,29 +166,6 @@ def test_restart_delay_doubles_from_one_second_to_sixty_and_resets(tmp_path: Pat
 
 
 # -- SQLite: one host process ---------------------------------------------------------------------
-
-
-def _request(url: str, fam_name: str, scope: str) -> int:
-    backend = open_backend(url)
-    try:
-        fam = families.registry.get(fam_name)
-        with backend.transaction() as conn:
-            return fam.request(conn, scope)
-    finally:
-        backend.dispose()
-        notify(url, fam_name)  # SQLite hosts wake on notifications, never by polling
-
-
-def _handled(url: str, fam_name: str, scope: str) -> int:
-    from apsup.store import intents
-
-    backend = open_backend(url)
-    try:
-        with backend.read() as conn:
-            row = intents.get(conn, families.registry.get(fam_name).binding_name, scope)
-        return 0 if row is None else row.handled_generation
-    finally:
-        backend.dispose()
 
 
 @pytest.mark.backends("sqlite")

@@ -95,3 +95,30 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "c
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.05)
+
+
+def request(url: str, fam_name: str, scope: str) -> int:
+    """Accept a request as domain code would (own transaction), then notify a local host."""
+    from apsup.store import open_backend
+    from apsup.supervisor.control import notify
+
+    backend = open_backend(url)
+    try:
+        fam = families.registry.get(fam_name)
+        with backend.transaction() as conn:
+            return fam.request(conn, scope)
+    finally:
+        backend.dispose()
+        notify(url, fam_name)  # SQLite hosts wake on notifications, never by polling
+
+
+def handled(url: str, fam_name: str, scope: str) -> int:
+    from apsup.store import intents, open_backend
+
+    backend = open_backend(url)
+    try:
+        with backend.read() as conn:
+            row = intents.get(conn, families.registry.get(fam_name).binding_name, scope)
+        return 0 if row is None else row.handled_generation
+    finally:
+        backend.dispose()
