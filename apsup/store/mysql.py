@@ -32,6 +32,8 @@ from apsup.store.base import SqlBackend
 from apsup.store.leases import INVALIDATED, Term, read_lease, validate
 from apsup.store.schema import leases
 
+#: Errors after which the server has rolled back the whole transaction (not just a statement).
+TRANSACTION_ABORT_CODES = frozenset({1213, 4012, 6002})
 TRANSIENT_CODES = frozenset({1205, 1213, 4012, 6002, 6005, 6213, 6235})
 FENCE_TIMEOUT_SECONDS = 30.0
 FENCE_TIMEOUT_PARAM = "apsup_fence_timeout"
@@ -78,6 +80,18 @@ class MysqlBackend(SqlBackend):
             finally:
                 cur.close()
                 dbapi_conn.rollback()  # leave no implicit transaction open
+
+        @event.listens_for(self.engine, "handle_error")
+        def _on_error(ctx: Any) -> None:
+            # A deadlock (1213) or a server-side transaction abort rolls back the WHOLE
+            # transaction, Lease row lock included; if a caller caught it and kept writing on
+            # this connection, those writes would run in a fresh, unfenced transaction. Treat
+            # it like a lost connection so SQLAlchemy refuses further statements on it.
+            exc = ctx.original_exception
+            code = exc.args[0] if getattr(exc, "args", None) else None
+            if code in TRANSACTION_ABORT_CODES:
+                ctx.is_disconnect = True
+                ctx.invalidate_pool_on_disconnect = False
 
     def _bound(self, conn: Connection) -> None:
         """Bound this session's transactions (OceanBase) before the Lease row is locked."""
