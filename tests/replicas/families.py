@@ -198,6 +198,7 @@ def process(scope_id: str, ctx: ExecutionContext) -> None:
     g = ctx.claimed_request_generation
     with ctx.fenced() as conn:
         version, last_g = _snapshot(conn, scope_id)
+        dirty = ctx.dirty_generation(conn)
     if last_g < g:
         time.sleep(_work_seconds())  # compute outside any transaction
         if plan == "before_commit":
@@ -233,6 +234,7 @@ def process(scope_id: str, ctx: ExecutionContext) -> None:
         if plan == "after_commit":
             _die(ctx, plan)
     with ctx.fenced() as conn:
+        ctx.mark_clean(conn, dirty)  # everything up to the snapshot is processed
         ctx.acknowledge(conn)
 
 
@@ -295,3 +297,13 @@ def duplicate_commits(rows: Iterable[Any]) -> list[str]:
             problems.append(f"{k} committed twice: #{seen[k]} and #{r.seq}")
         seen[k] = int(r.seq)
     return problems
+
+
+#: A separate registry with an interval family: its Supervisor performs scan control writes
+#: (start/admit/end) every second, for the lock-wait tests.
+auto_registry = Registry()
+
+
+@family("replica-auto", interval=1, max_workers=2, timeout=30, registry=auto_registry)
+def auto(scope_id: str, ctx: ExecutionContext) -> None:
+    process(scope_id, ctx)
