@@ -306,6 +306,9 @@ class Runtime:
 
     ``backoff`` replaces the RFC §7 failure backoff (tests and embedders that need quick
     retries); ``heartbeat_seconds`` bounds how long the loop sleeps without beating.
+    ``configure_logs``: install apsup's log handler with the settings' ``LOG_FORMAT`` and
+    ``LOG_LEVEL``; by default only when ``run()`` is called on the main thread (a process entry
+    point such as ``apsup run``), never for a Runtime embedded on another thread.
     """
 
     def __init__(
@@ -316,7 +319,7 @@ class Runtime:
         backoff: Backoff | None = None,
         heartbeat_seconds: float = HEARTBEAT_SECONDS,
         liveness_timeout: float = LIVENESS_TIMEOUT,
-        configure_logs: bool = False,
+        configure_logs: bool | None = None,
     ) -> None:
         self.settings = settings
         self.registry = registry
@@ -367,7 +370,8 @@ class Runtime:
     def run(self) -> None:
         """Run until SIGTERM/SIGINT (main thread) or ``stop()``."""
         s = self.settings
-        if self.configure_logs:
+        configure = _main_thread() if self.configure_logs is None else self.configure_logs
+        if configure:
             _configure_logs(s.log_format, s.log_level)
         log.info(
             "runtime starting",
