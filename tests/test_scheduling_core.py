@@ -606,6 +606,16 @@ def test_family_error_postpones_only_that_family_and_retries_the_step() -> None:
     assert not s.snapshot()["a"].degraded
 
 
+def test_postponement_wakes_only_a_family_with_something_to_resume() -> None:
+    s = make(spec("a"), error_delay=30.0)
+    finish_request_pass(s, "a", [])
+    s.on_family_error("a", "reconcile", T0)  # nothing in flight, nothing pending
+    assert s.next_wakeup(T0) is None
+    s.on_notify("a")  # now a pass waits for the postponement to end
+    assert s.decide(T0) is None
+    assert s.next_wakeup(T0) == T0 + timedelta(seconds=30)
+
+
 def test_family_error_during_dispatch_puts_the_key_back_at_the_head() -> None:
     s = make(spec(max_workers=2))
     finish_request_pass(s, "a", rows("x", "y"))

@@ -668,7 +668,8 @@ class Scheduler:
             if not f.restored:
                 continue
             if f.postponed_until is not None and f.postponed_until > now:
-                consider(f.postponed_until)
+                if f.ready or f.waiting or f.scan or f.request_pass or f.next_due(now):
+                    consider(f.postponed_until)  # the abandoned step (or other work) resumes
                 continue
             if f.step is not None:
                 continue  # its event wakes us

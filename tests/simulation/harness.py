@@ -199,6 +199,7 @@ class Simulation:
         self.counters: dict[str, int] = {}
         # families with a request whose notification never reached the current core
         self.unnotified: set[str] = set()
+        self.prefilled: set[tuple[str, str, int]] = set()  # admissions of the earlier process
 
     # --- plumbing --------------------------------------------------------------------------------
 
@@ -235,6 +236,7 @@ class Simulation:
             raise self.fail(f"{type(exc).__name__}: {exc}") from exc
 
     def _run(self) -> Simulation:
+        self.prefill()
         self.start_host()
         self.at(self.rng.expovariate(1 / self.cfg.produce_mean), "produce")
         if self.cfg.crash_mean:
@@ -249,6 +251,7 @@ class Simulation:
         self.log("--- quiet: faults and producers stop, Workers succeed ---")
         quiet_start = self.now
         for _ in range(QUIET_STEPS):
+            self.drain()  # judge convergence where the shell would go to sleep
             if self.converged():
                 break
             if self.now - quiet_start > QUIET_HORIZON:
@@ -313,6 +316,32 @@ class Simulation:
             state = BindingState(b.checkpoint, b.scan_generation, b.scan_in_progress, b.upper)
             self.scheduler.restore(name, state)
         self.log(f"term {self.store.term} established (host {self.host})")
+
+    def prefill(self) -> None:
+        """Durable state left by an earlier process: backlog, accepted requests and, for some
+        families, a scan that crashed mid-way after admitting a few Scopes (even under a policy
+        that is now Disabled: that scan must end without admitting more)."""
+        store = self.store
+        for name in self.specs:
+            for _ in range(self.rng.randint(0, self.cfg.scopes)):
+                scope = f"s{self.rng.randrange(self.cfg.scopes)}"
+                if self.rng.random() < 0.3:
+                    store.request(name, scope, with_input=self.rng.random() < 0.5)
+                else:
+                    store.mark_dirty(name, scope)
+            rows = store.intents[name]
+            if not rows or self.rng.random() < 0.5:
+                continue
+            b = store.bindings[name]
+            b.scan_generation = self.rng.randint(1, 5)
+            b.checkpoint = START - timedelta(seconds=self.rng.uniform(0, 900))
+            b.scan_in_progress = True
+            b.upper = max(r.pending_sequence for r in rows.values())
+            for scope, row in rows.items():
+                if row.dirty > row.clean and self.rng.random() < 0.5:
+                    store.admit(store.term, name, scope, b.scan_generation)
+            self.log(f"prefill: {name} crashed mid-scan {b}")
+        self.prefilled = set(store.auto_admitted)
 
     def orphan_workers(self, kill_probability: float) -> None:
         """Workers of the old term: killed, or surviving as orphans whose commits must fail."""
@@ -692,7 +721,9 @@ class Simulation:
         if self.scheduler is None or self.live or self.pending_start is not None:
             return False
         for snap in self.scheduler.snapshot().values():
-            if snap.running or snap.ready or snap.retry_wait:
+            if snap.running or snap.ready or snap.retry_wait or snap.request_pass_active:
+                return False
+            if snap.scan_active or (snap.postponed_until and snap.postponed_until > self.now):
                 return False
         for name, rows in self.store.intents.items():
             scheduled = not isinstance(self.specs[name].policy, Disabled)
@@ -724,7 +755,7 @@ class Simulation:
             wake = sched.next_wakeup(self.now)
             if wake is not None:
                 raise self.fail(f"idle with only disabled families, yet next_wakeup={wake}")
-        for name, _scope, _gen in self.store.auto_admitted:
+        for name, _scope, _gen in self.store.auto_admitted - self.prefilled:
             if isinstance(self.specs[name].policy, Disabled):
                 raise self.fail(f"{name}: automatic admission under a Disabled policy")
 
