@@ -141,7 +141,8 @@ def test_late_renewal_drops_leadership_before_the_lease_expires(
     Cluster.prepare(db_url)
     monkeypatch.setenv("REPLICA_TEST_WORK", "30,30")
     rec = Recorder()
-    lease = LeasePolicy(3.0, 0.5, 0.3)
+    # Late = no renewal for 0.8 x lease (4.8 s): 1.2 s of margin before the Lease could expire.
+    lease = LeasePolicy(6.0, 0.5, 0.3)
     with host_for(db_url, lease, hooks=rec) as bundle:
         host, sup = bundle.host, bundle.host.supervisors[0]
         request(db_url, "replica-work", "long")

@@ -95,7 +95,10 @@ def test_kill9_leader_standby_takes_over_and_no_request_is_lost(cluster: Cluster
     api = c.start("api", "--requests", "100000", "--interval", "0.05", "--scopes", "25")
     c.wait_ready(*bg, api)
     latencies, after_expiry = [], []
-    for _ in range(KILL_ROUNDS):
+    rounds = 0
+    while len(latencies) < KILL_ROUNDS:
+        rounds += 1
+        assert rounds <= KILL_ROUNDS * 3, "leadership kept moving by itself"
         leader = c.wait_leader()
         before = c.lease()
         assert before is not None
@@ -106,7 +109,9 @@ def test_kill9_leader_standby_takes_over_and_no_request_is_lost(cluster: Cluster
             time.sleep(0.05)
         time.sleep(random.uniform(0.0, 0.8))
         view = c.lease()
-        assert view is not None and view.generation == before.generation
+        assert view is not None
+        if view.generation != before.generation or c.leader() is not leader:
+            continue  # leadership moved by itself meanwhile (a loaded machine): pick again
         killed_at = view.db_now
         c.kill9(leader)
         new = c.wait_generation_above(view.generation, timeout=TAKEOVER_BOUND)
