@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
+from sqlalchemy import event
 
 from apsup.errors import ConfigError, HostConflictError
 from apsup.registry import Registry, family
@@ -197,6 +198,17 @@ def test_sqlite_runs_every_supervisor_in_one_host_process(db_url: str, mode: str
         )
         port = runtime.http_port
         assert port is not None
+        # Idle: the loop keeps beating (fresh /healthz) without touching the database.
+        time.sleep(1.5)  # the last post-activity status count
+        statements: list[str] = []
+        engine = host.backend.engine
+        listener = lambda *args: statements.append(args[2])  # noqa: E731
+        event.listen(engine, "before_cursor_execute", listener)
+        try:
+            time.sleep(3)
+        finally:
+            event.remove(engine, "before_cursor_execute", listener)
+        assert statements == [], statements
         assert http_get(port, "/healthz")[0] == 200
         code, body = http_get(port, "/readyz")
         assert code == 200 and body["status"] == "ok" and body["mode"] == mode

@@ -171,8 +171,8 @@ class HostObserver:
         self._lease_view = {r.supervisor_key: (r.holder_id, r.generation) for r in rows}
 
     def _count(self, host: Host, now: float) -> None:
-        # Requested > handled per family, for leaders only. On SQLite only after activity, so an
-        # idle host performs no periodic database reads (RFC §8).
+        # Requested > handled per family, for leaders only. On SQLite only after Worker activity
+        # (at most once a second), so an idle host performs no database reads at all (RFC §8).
         if now < self._next_count:
             return
         activity = sum(
@@ -181,7 +181,7 @@ class HostObserver:
         )
         if not host.elected and activity == self._activity:
             return
-        self._next_count = now + self.count_seconds
+        self._next_count = now + (self.count_seconds if host.elected else 1.0)
         self._activity = activity
         leaders = [s for s in host.supervisors if s.term is not None]
         if not leaders:
