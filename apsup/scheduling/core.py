@@ -401,17 +401,17 @@ class Scheduler:
         requests: Decision | None = None
         if f.request_pass is not None:
             requests = FetchRequests(f.name, f.request_pass.after_sequence, f.spec.page_size)
-        automatic: Decision | None = None
+        scan_due = scan is None and (due := f.next_due(now)) is not None and due <= now
+        if requests is not None and (f.requests_turn or (scan is None and not scan_due)):
+            return requests  # request discovery and the scan take turns
         if scan is not None:
             assert scan.upper is not None  # an empty binding's scan is ``ending`` at once
-            automatic = FetchScanPage(
+            return FetchScanPage(
                 f.name, scan.generation, scan.after_sequence, scan.upper, f.spec.page_size
             )
-        elif (due := f.next_due(now)) is not None and due <= now:
-            automatic = StartScan(f.name, f.spec.policy.checkpoint_for(now))
-        if requests is not None and automatic is not None:
-            return requests if f.requests_turn else automatic
-        return requests or automatic
+        if scan_due:
+            return StartScan(f.name, f.spec.policy.checkpoint_for(now))  # cron maths: only here
+        return requests
 
     def _next_admission(self, f: _Family, scan: _Scan) -> Admit | None:
         """Skip rows that need no admission; the first one that does becomes an Admit."""
