@@ -9,6 +9,7 @@ per family, restarts a crashed one with backoff, and stops all of them on shutdo
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ from apsup.supervisor.host import Host, LeasePolicy
 from apsup.supervisor.supervisor import Hooks, Supervisor
 from apsup.workers.invoke import TARGET
 from apsup.workers.pool import WorkerPool
+from apsup.workers.warm import ENV as WARM_ENV
 
 log = logging.getLogger("apsup.launcher")
 
@@ -62,6 +64,23 @@ class HostBundle:
             self.lock.release()
 
 
+WARM_MODULE = "apsup.workers.warm"
+
+
+def _start_pool(modules: list[str], database_url: str, grace_seconds: float) -> WorkerPool:
+    """Start the forkserver with the URL it warms an engine for (see ``apsup.workers.warm``);
+    the variable exists only while the forkserver starts and is removed there at import."""
+    previous = os.environ.get(WARM_ENV)
+    os.environ[WARM_ENV] = database_url
+    try:
+        return WorkerPool(modules, grace_seconds=grace_seconds)
+    finally:
+        if previous is None:
+            os.environ.pop(WARM_ENV, None)
+        else:
+            os.environ[WARM_ENV] = previous
+
+
 def build_host(
     database_url: str,
     families: Sequence[Family],
@@ -91,7 +110,7 @@ def build_host(
             {f.entry_point.split(":", 1)[0] for f in families}
             | {TARGET.split(":", 1)[0], *worker_preload(database_url)}
         )
-        pool = WorkerPool(modules, grace_seconds=grace_seconds)
+        pool = _start_pool([*modules, WARM_MODULE], database_url, grace_seconds)
     except BaseException:
         if control is not None:
             control.close()

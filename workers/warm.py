@@ -1,0 +1,48 @@
+"""Warm the Workers' database engine once, in the forkserver.
+
+Every Worker would otherwise build an engine, initialise the dialect and compile the same few
+statements (duplicate check, Lease lock, acknowledgment): 15-25 ms per launch on a 2-core
+machine, more than the launch itself. Imported as a forkserver preload, this module opens the
+backend for the URL the host hands over, runs those statements once (the write ones in a
+transaction that is rolled back and touches no row), then closes every connection: children
+inherit a ready engine with its compiled-statement cache and an empty pool, so no connection
+ever crosses a fork. The URL is removed from the environment at once so Workers and anything
+they spawn never inherit it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from apsup.context import backend_for
+from apsup.store import intents
+from apsup.store.leases import Term, read_lease
+
+ENV = "APSUP_WORKER_WARM_URL"
+_PROBE = "\x1fapsup-warm"
+
+
+def warm(url: str) -> None:
+    backend = backend_for(url)
+    with backend.read() as conn:
+        intents.get(conn, _PROBE, _PROBE)
+    with contextlib.suppress(Exception), backend.engine.connect() as conn:
+        txn = conn.begin()
+        try:
+            read_lease(conn, _PROBE, for_update=True)
+            with contextlib.suppress(Exception):
+                backend.check_term(conn, Term(_PROBE, _PROBE, 1))
+            with contextlib.suppress(Exception):
+                intents.acknowledge(conn, _PROBE, _PROBE, 1, 1)
+            with contextlib.suppress(Exception):
+                intents.mark_clean(conn, _PROBE, _PROBE, 1, 1)
+        finally:
+            txn.rollback()
+    backend.engine.dispose()  # no connection survives into a forked Worker
+
+
+_url = os.environ.pop(ENV, None)
+if _url:
+    with contextlib.suppress(Exception):  # a cold engine is slower, never wrong
+        warm(_url)
