@@ -6,8 +6,9 @@ machine, more than the launch itself. Imported as a forkserver preload, this mod
 backend for the URL the host hands over, runs those statements once (the write ones in a
 transaction that is rolled back and touches no row), then closes every connection: children
 inherit a ready engine with its compiled-statement cache and an empty pool, so no connection
-ever crosses a fork. The URL is removed from the environment at once so Workers and anything
-they spawn never inherit it.
+ever crosses a fork. The host hands the URL over in a private (0600) file named by an environment
+variable, never in the environment itself (which ``/proc/<pid>/environ`` would keep showing);
+the file is removed as soon as it is read.
 """
 
 from __future__ import annotations
@@ -42,7 +43,21 @@ def warm(url: str) -> None:
     backend.engine.dispose()  # no connection survives into a forked Worker
 
 
-_url = os.environ.pop(ENV, None)
+def _take_url() -> str | None:
+    path = os.environ.pop(ENV, None)
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read().strip() or None
+    except OSError:
+        return None
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+_url = _take_url()
 if _url:
     with contextlib.suppress(Exception):  # a cold engine is slower, never wrong
         warm(_url)

@@ -8,8 +8,10 @@ per family, restarts a crashed one with backoff, and stops all of them on shutdo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -68,17 +70,22 @@ WARM_MODULE = "apsup.workers.warm"
 
 
 def _start_pool(modules: list[str], database_url: str, grace_seconds: float) -> WorkerPool:
-    """Start the forkserver with the URL it warms an engine for (see ``apsup.workers.warm``);
-    the variable exists only while the forkserver starts and is removed there at import."""
+    """Start the forkserver with the URL it warms an engine for (``apsup.workers.warm``): in a
+    0600 file that the forkserver deletes after reading, so the DSN is never in an environment."""
+    fd, path = tempfile.mkstemp(prefix="apsup-warm-")
     previous = os.environ.get(WARM_ENV)
-    os.environ[WARM_ENV] = database_url
     try:
+        os.write(fd, database_url.encode())
+        os.close(fd)
+        os.environ[WARM_ENV] = path
         return WorkerPool(modules, grace_seconds=grace_seconds)
     finally:
         if previous is None:
             os.environ.pop(WARM_ENV, None)
         else:
             os.environ[WARM_ENV] = previous
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def build_host(
