@@ -4,13 +4,11 @@ boundary (acceptance 13, 14)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
 
-from apsup.context import dispose_backends
 from apsup.errors import StaleTermError
 from apsup.families import profile as pf
 from apsup.families._common import AuthorizationDenied, DomainError
@@ -18,43 +16,15 @@ from apsup.families._testing import (
     SimulatedCrash,
     claim,
     crashing,
-    create_database,
-    drop_database,
     intent,
     make_context,
-    reset,
 )
 from apsup.policy import Cron
-from apsup.store import migrate, open_backend, scans
+from apsup.store import scans
 
 FAM = pf.FAMILY
 FIRE1 = datetime(2026, 12, 1, 18, 0)  # 02:00 Asia/Shanghai on Dec 2
 FIRE2 = FIRE1 + timedelta(days=1)
-
-
-@pytest.fixture(
-    scope="module",
-    params=["sqlite", pytest.param("mysql", marks=pytest.mark.mysql_only)],
-    ids=["sqlite", "mysql"],
-)
-def shared_db(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """One migrated database per backend for this module; tests start from emptied tables."""
-    admin = request.getfixturevalue("mysql_url_admin") if request.param == "mysql" else None
-    url = create_database(
-        request.param, sqlite_dir=str(tmp_path_factory.mktemp("db")), mysql_admin_url=admin
-    )
-    migrate(url)
-    store = open_backend(url)
-    yield store
-    store.dispose()
-    dispose_backends()
-    drop_database(url)
-
-
-@pytest.fixture
-def backend(shared_db: Any) -> Iterator[Any]:
-    reset(shared_db)
-    yield shared_db
 
 
 def add(backend: Any, scope: str, *bodies: str) -> None:

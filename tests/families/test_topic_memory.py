@@ -6,13 +6,11 @@ The processor is called in-process with an ExecutionContext under a real term on
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from sqlalchemy import delete, func, insert, select
 
-from apsup.context import dispose_backends
 from apsup.errors import ProgressConflict, StaleTermError
 from apsup.families import topic_memory as tm
 from apsup.families._common import SourceFailure
@@ -20,41 +18,12 @@ from apsup.families._testing import (
     SimulatedCrash,
     claim,
     crashing,
-    create_database,
-    drop_database,
     intent,
     make_context,
-    reset,
 )
-from apsup.store import migrate, open_backend
 
 FAM = tm.FAMILY
 SECRET = "SECRET-BODY-do-not-log"
-
-
-@pytest.fixture(
-    scope="module",
-    params=["sqlite", pytest.param("mysql", marks=pytest.mark.mysql_only)],
-    ids=["sqlite", "mysql"],
-)
-def shared_db(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """One migrated database per backend for this module; tests start from emptied tables."""
-    admin = request.getfixturevalue("mysql_url_admin") if request.param == "mysql" else None
-    url = create_database(
-        request.param, sqlite_dir=str(tmp_path_factory.mktemp("db")), mysql_admin_url=admin
-    )
-    migrate(url)
-    store = open_backend(url)
-    yield store
-    store.dispose()
-    dispose_backends()
-    drop_database(url)
-
-
-@pytest.fixture
-def backend(shared_db: Any) -> Iterator[Any]:
-    reset(shared_db)
-    yield shared_db
 
 
 def append(backend: Any, scope: str, *bodies: str) -> list[int]:

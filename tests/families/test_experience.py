@@ -3,54 +3,23 @@ clean only when drained, idempotent repeated invocations, fenced commits (accept
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from sqlalchemy import insert
 
-from apsup.context import dispose_backends
 from apsup.errors import ProgressConflict, StaleTermError
 from apsup.families import experience as ex
 from apsup.families._testing import (
     SimulatedCrash,
     claim,
     crashing,
-    create_database,
-    drop_database,
     intent,
     make_context,
-    reset,
 )
-from apsup.store import migrate, open_backend
 
 FAM = ex.FAMILY
 K = {"EXPERIENCE_BATCH_ITEMS": "20"}
-
-
-@pytest.fixture(
-    scope="module",
-    params=["sqlite", pytest.param("mysql", marks=pytest.mark.mysql_only)],
-    ids=["sqlite", "mysql"],
-)
-def shared_db(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """One migrated database per backend for this module; tests start from emptied tables."""
-    admin = request.getfixturevalue("mysql_url_admin") if request.param == "mysql" else None
-    url = create_database(
-        request.param, sqlite_dir=str(tmp_path_factory.mktemp("db")), mysql_admin_url=admin
-    )
-    migrate(url)
-    store = open_backend(url)
-    yield store
-    store.dispose()
-    dispose_backends()
-    drop_database(url)
-
-
-@pytest.fixture
-def backend(shared_db: Any) -> Iterator[Any]:
-    reset(shared_db)
-    yield shared_db
 
 
 def record(backend: Any, scope: str, n: int) -> list[int]:
