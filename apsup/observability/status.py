@@ -41,6 +41,7 @@ class FamilyStatus(TypedDict):
     next_retry_at: str | None  # ISO-8601 UTC of the earliest retry, None if no key waits
     due_at: str | None  # ISO-8601 UTC of the next automatic check, None when disabled
     unacknowledged: int | None  # requested > handled count from the last DB count, None if unknown
+    policy: NotRequired[str]  # e.g. "interval 300s", "cron '0 2 * * *' Asia/Shanghai", "disabled"
 
 
 class SupervisorStatus(TypedDict):

@@ -229,6 +229,7 @@ class HostObserver:
                     "next_retry_at": _iso(snap.next_retry_at) if snap is not None else None,
                     "due_at": _iso(snap.due_at) if snap is not None else None,
                     "unacknowledged": self._unacked.get(name),
+                    "policy": fam.policy.describe(),
                 }
                 self.metrics.update_family(name, fam.max_workers, running, ready, retry_wait)
             term = sup.term
