@@ -30,7 +30,13 @@ import pytest
 
 # --- environment hygiene (runs at import, before any apsup module reads its settings) ----------
 
-_KEEP_ENV = {"APSUP_TEST_MYSQL_URL", "APSUP_SOAK", "APSUP_TEST_WORKERS"}
+_KEEP_ENV = {
+    "APSUP_TEST_MYSQL_URL",
+    "APSUP_SOAK",
+    "APSUP_TEST_WORKERS",
+    "APSUP_SIM_SEED",
+    "APSUP_SIM_STEPS",
+}
 _SCRUB_PREFIXES = ("APSUP_", "POWERCONTEXT_SERVER_RUNTIME_")
 
 for _name in list(os.environ):

@@ -59,6 +59,8 @@ class Invocation:
     worker_id: str
     reason: str
     started: float
+    token: int  # the core's dispatch id: an exit reported under it cannot free another dispatch
+    term_generation: int  # the term that dispatched it
 
 
 class Hooks:
@@ -285,7 +287,7 @@ class Supervisor:
             row = intents.get(conn, fam.binding_name, d.scope_id)
         if row is None or row.handled_generation >= row.requested_generation:
             # handled >= G: acknowledge completion without running (RFC §5).
-            core.on_dispatched(d.family, d.scope_id, False)
+            core.on_dispatched(d.family, d.scope_id, False, token=d.token)
             return
         worker_id = uuid.uuid4().hex[:16]
         ctx = ExecutionContext(
@@ -302,9 +304,16 @@ class Supervisor:
             database_url=self.database_url,
             settings=self.worker_settings,
         )
-        core.on_dispatched(d.family, d.scope_id, True)
+        core.on_dispatched(d.family, d.scope_id, True, token=d.token)
         self.running[worker_id] = Invocation(
-            fam, d.scope_id, row.requested_generation, worker_id, d.reason, time.monotonic()
+            fam,
+            d.scope_id,
+            row.requested_generation,
+            worker_id,
+            d.reason,
+            time.monotonic(),
+            d.token,
+            term.generation,
         )
         self.hooks.on_dispatch(d.family)
         try:
@@ -323,7 +332,9 @@ class Supervisor:
             )
             self.running.pop(worker_id, None)
             self.failed[fam.name] += 1
-            core.on_worker_exit(d.family, d.scope_id, Outcome.FAILURE, False, self.now())
+            core.on_worker_exit(
+                d.family, d.scope_id, Outcome.FAILURE, False, self.now(), token=d.token
+            )
 
     # -- worker exits ------------------------------------------------------------------------
     def owns(self, worker_id: str) -> bool:
@@ -359,11 +370,15 @@ class Supervisor:
             self.completed[fam.name] += 1
         elif outcome is not Outcome.CONFLICT:
             self.failed[fam.name] += 1
-        if self.core is None:
-            return  # term already lost: the new term recovers from durable facts
-        self.core.on_worker_exit(fam.name, inv.scope_id, outcome, more, self.now())
+        if self.core is None or self.term is None or self.term.generation != inv.term_generation:
+            return  # dispatched by an earlier term: the current one recovers from durable facts
+        if outcome is Outcome.FAILURE and cause == "stale_term" and not self._term_still_valid():
+            self.lose_leadership("a Worker found the term stale")
+            return
+        self.core.on_worker_exit(fam.name, inv.scope_id, outcome, more, self.now(), token=inv.token)
         if outcome is not Outcome.SUCCESS:
-            snap = self.core.snapshot().get(fam.name)
+            info = self.core.key_info(fam.name, inv.scope_id)
+            retry_at = info.retry_at if info is not None else None
             log.warning(
                 "invocation failed",
                 extra={
@@ -378,10 +393,25 @@ class Supervisor:
                     "error_code": cause,
                     "exit_code": ex.exitcode,
                     "exception_type": cause,
-                    "retry_count": getattr(snap, "consecutive_failures", None),
-                    "retry_delay": None,
+                    "retry_count": info.consecutive_failures if info is not None else None,
+                    "retry_delay": (
+                        round((retry_at - self.now()).total_seconds(), 3) if retry_at else None
+                    ),
                 },
             )
+
+    def _term_still_valid(self) -> bool:
+        """Ask the database whether our term still stands (a Worker reported it stale)."""
+        if self.term is None:
+            return False
+        try:
+            with self.backend.transaction() as conn:
+                self.backend.check_term(conn, self.term)
+        except StaleTermError:
+            return False
+        except Exception:
+            return True  # unknown: the host's renewal decides
+        return True
 
     def next_wakeup(self) -> datetime | None:
         if self.core is None:
