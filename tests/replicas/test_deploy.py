@@ -7,6 +7,7 @@ the things that matter to apsup: roles, probes, the secret DSN, scrape settings,
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -25,6 +26,7 @@ PREFIX = "POWERCONTEXT_SERVER_RUNTIME_"
 YAML_FILES = sorted([DEPLOY / "compose.yaml", *(DEPLOY / "k8s").glob("*.yaml")])
 
 
+@functools.cache
 def _load_all(path: Path) -> list[Any]:
     try:
         import yaml
