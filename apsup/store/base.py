@@ -32,7 +32,9 @@ def redact_url(url: str) -> str:
     except Exception:
         return "<unparseable database url>"
     # Credentials and query (which may carry secrets) are dropped entirely.
-    return u._replace(username=None, password=None).set(query={}).render_as_string(hide_password=False)
+    return (
+        u._replace(username=None, password=None).set(query={}).render_as_string(hide_password=False)
+    )
 
 
 class SqlBackend:
