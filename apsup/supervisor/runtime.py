@@ -210,11 +210,17 @@ class HostObserver:
                 status: Any = "ok"
                 if isinstance(fam.policy, Disabled):
                     status, reason = "disabled", "automatic admission disabled"
-                failed = name in sup.degraded or (snap is not None and snap.degraded)
+                failed = (
+                    name in sup.degraded
+                    or name in sup.unreconciled
+                    or (snap is not None and snap.degraded)
+                )
                 if sup.term is not None and failed:
                     status = "degraded"
-                    reason = sup.degraded.get(name) or (
-                        snap.last_error_stage if snap is not None else None
+                    reason = (
+                        sup.degraded.get(name)
+                        or sup.unreconciled.get(name)
+                        or (snap.last_error_stage if snap is not None else None)
                     )
                 running = snap.running if snap is not None else 0
                 ready = snap.ready if snap is not None else 0

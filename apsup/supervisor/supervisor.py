@@ -103,6 +103,9 @@ class Supervisor:
         self.completed: dict[str, int] = {name: 0 for name in self.families}
         self.failed: dict[str, int] = {name: 0 for name in self.families}
         self.degraded: dict[str, str] = {}
+        #: Families whose reconciliation failed: degraded until a retry (at each of their
+        #: checks) succeeds, however well their generic discovery works meanwhile.
+        self.unreconciled: dict[str, str] = {}
 
     # -- time ------------------------------------------------------------------------------
     def sync_clock(self) -> None:
@@ -149,12 +152,13 @@ class Supervisor:
             extra={"supervisor_key": self.key, "term": term.generation, "holder": term.holder_id},
         )
 
-    def reconcile(self, max_pages: int = 1000) -> None:
+    def reconcile(self, max_pages: int = 1000, only: str | None = None) -> None:
         """Run each family's reconciler page by page (RFC §11): it rebuilds dirty state from
-        bounded domain facts and never accepts requests, so disabled admission stays disabled."""
+        bounded domain facts and never accepts requests, so disabled admission stays disabled.
+        A failure degrades only that family; it is retried at the family's next check."""
         for fam in self.families.values():
             reconcile = fam.reconcile
-            if reconcile is None:
+            if reconcile is None or (only is not None and fam.name != only):
                 continue
             token: object = None
             for _ in range(max_pages):
@@ -163,7 +167,7 @@ class Supervisor:
                         functools.partial(_reconcile_page, reconcile, fam, token)
                     )
                 except Exception as exc:
-                    self.degraded[fam.name] = f"reconcile: {type(exc).__name__}"
+                    self.unreconciled[fam.name] = f"reconcile: {type(exc).__name__}"
                     log.error(
                         "reconciliation failed",
                         extra={
@@ -174,6 +178,7 @@ class Supervisor:
                     )
                     break
                 if token is None:
+                    self.unreconciled.pop(fam.name, None)
                     break
 
     def lose_leadership(self, reason: str) -> None:
@@ -231,6 +236,8 @@ class Supervisor:
                 term, lambda c: scans.start_scan(c, fam.binding_name, d.checkpoint)
             )
             self.hooks.on_scan_started(d.family)
+            if d.family in self.unreconciled:
+                self.reconcile(only=d.family)
             core.on_scan_started(
                 d.family, st.scan_generation, st.scan_upper_pending_sequence, d.checkpoint
             )
