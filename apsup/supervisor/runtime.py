@@ -39,7 +39,7 @@ from sqlalchemy.exc import DBAPIError
 
 from apsup.errors import ConfigError
 from apsup.observability.health import HealthServer, Heartbeat
-from apsup.observability.logging import configure_logging, log_startup
+from apsup.observability.logging import configure_logging, log_startup, register_dsn
 from apsup.observability.metrics import SupervisorMetrics
 from apsup.observability.status import FamilyStatus, StatusSnapshot, SupervisorStatus
 from apsup.policy import Disabled
@@ -377,6 +377,7 @@ class Runtime:
     def run(self) -> None:
         """Run until SIGTERM/SIGINT (main thread) or ``stop()``."""
         s = self.settings
+        register_dsn(s.database_url)  # any log line that quotes the DSN or its password is masked
         configure = _main_thread() if self.configure_logs is None else self.configure_logs
         if configure:
             _configure_logs(s.log_format, s.log_level)
