@@ -79,3 +79,12 @@ def digest(parts: Iterable[str | bytes], seed: str = "") -> str:
         h.update(len(data).to_bytes(8, "big"))
         h.update(data)
     return h.hexdigest()
+
+
+def finish_without_work(ctx: ExecutionContext, dirty_generation: int) -> None:
+    """NOOP completion (RFC §3, §6): no work remained in the snapshot, so mark clean only up to
+    the dirty generation read *before* the domain facts, and acknowledge G, in one fenced txn."""
+    with ctx.fenced() as conn:
+        if dirty_generation:
+            ctx.mark_clean(conn, dirty_generation)
+        ctx.acknowledge(conn)

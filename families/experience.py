@@ -38,7 +38,14 @@ from sqlalchemy import (
 
 from apsup.context import ExecutionContext
 from apsup.errors import ProgressConflict
-from apsup.families._common import DIGEST_LENGTH, SCOPE, DomainError, digest, int_setting
+from apsup.families._common import (
+    DIGEST_LENGTH,
+    SCOPE,
+    DomainError,
+    digest,
+    finish_without_work,
+    int_setting,
+)
 from apsup.registry import Family, family
 from apsup.store import intents as _intents
 
@@ -159,10 +166,7 @@ def process_experience(scope_id: str, ctx: ExecutionContext) -> None:
                 )
             ]
     if progress is None or not items:
-        with ctx.fenced() as conn:
-            if dirty_g:
-                ctx.mark_clean(conn, dirty_g)
-            ctx.acknowledge(conn)
+        finish_without_work(ctx, dirty_g)
         return
 
     # Distil outside the transaction (deterministic stand-in for a model call).

@@ -56,6 +56,7 @@ from apsup.families._common import (
     DomainError,
     Timestamp,
     digest,
+    finish_without_work,
     int_setting,
     utcnow,
 )
@@ -371,10 +372,7 @@ def process_profile(scope_id: str, ctx: ExecutionContext) -> None:
     if cursor is None or not sources:
         # Nothing to generate: disabled Policy, a Candidate awaiting Review (review re-marks
         # dirty), or no uncovered Source. Acknowledge only the snapshot's dirty generation.
-        with ctx.fenced() as conn:
-            if dirty_g:
-                ctx.mark_clean(conn, dirty_g)
-            ctx.acknowledge(conn)
+        finish_without_work(ctx, dirty_g)
         return
     if fire_spent:
         # This fire already produced its Candidate: the new Sources wait for the next fire.

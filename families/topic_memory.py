@@ -53,6 +53,7 @@ from apsup.families._common import (
     DomainError,
     SourceFailure,
     digest,
+    finish_without_work,
     int_setting,
 )
 from apsup.registry import Family, family
@@ -256,10 +257,7 @@ def process_topic_memory(scope_id: str, ctx: ExecutionContext) -> None:
         dirty_g = ctx.dirty_generation(conn)
         cursor = read_cursor(conn, scope_id)
     if cursor is None or cursor.uncovered <= 0:
-        with ctx.fenced() as conn:
-            if dirty_g:
-                ctx.mark_clean(conn, dirty_g)
-            ctx.acknowledge(conn)
+        finish_without_work(ctx, dirty_g)
         return
     snapshot_head = cursor.source_head
     through, revision = cursor.source_through, cursor.head_revision
