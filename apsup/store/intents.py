@@ -142,27 +142,51 @@ def request(conn: Connection, binding: str, scope_id: str) -> int:
     return _advance(conn, binding, scope_id, "requested_generation")
 
 
-def acknowledge(
-    conn: Connection, binding: str, scope_id: str, generation: int, pending_sequence: int | None
+def _raise_pair(
+    conn: Connection,
+    binding: str,
+    scope_id: str,
+    pending_sequence: int | None,
+    *,
+    lower: str,
+    upper: str,
+    target: int,
+    error: str,
 ) -> bool:
-    """handled := G for exactly the claimed G. True if it moved, False if already >= G."""
+    """Move ``lower := target`` when ``lower < target <= upper`` on the claimed incarnation.
+
+    True if it moved; False if ``lower`` already reached ``target`` (a no-op, never lowered);
+    IntentError if the row is gone/recreated or ``target`` exceeds ``upper``.
+    """
     cond = _key(binding, scope_id)
     if pending_sequence is not None:
         cond = cond & (c.pending_sequence == pending_sequence)
     moved = conn.execute(
-        update(intents)
-        .where(cond, c.handled_generation < generation, c.requested_generation >= generation)
-        .values(handled_generation=generation)
+        update(intents).where(cond, c[lower] < target, c[upper] >= target).values({lower: target})
     ).rowcount
     if moved:
         return True
     row = get(conn, binding, scope_id)
     if row is None or (pending_sequence is not None and row.pending_sequence != pending_sequence):
         raise IntentError(f"scope {scope_id!r} of {binding!r} no longer has the claimed intent row")
-    if row.handled_generation >= generation:
-        return False
-    raise IntentError(
-        f"cannot acknowledge generation {generation} above requested {row.requested_generation}"
+    if getattr(row, upper) < target:
+        raise IntentError(error.format(target=target, upper=getattr(row, upper)))
+    return False
+
+
+def acknowledge(
+    conn: Connection, binding: str, scope_id: str, generation: int, pending_sequence: int | None
+) -> bool:
+    """handled := G for exactly the claimed G. True if it moved, False if already >= G."""
+    return _raise_pair(
+        conn,
+        binding,
+        scope_id,
+        pending_sequence,
+        lower="handled_generation",
+        upper="requested_generation",
+        target=generation,
+        error="cannot acknowledge generation {target} above requested {upper}",
     )
 
 
@@ -174,24 +198,16 @@ def mark_clean(
     pending_sequence: int | None,
 ) -> bool:
     """clean := the dirty generation the processor read in its snapshot; never lowers it."""
-    cond = _key(binding, scope_id)
-    if pending_sequence is not None:
-        cond = cond & (c.pending_sequence == pending_sequence)
-    moved = conn.execute(
-        update(intents)
-        .where(cond, c.clean_generation < dirty_generation, c.dirty_generation >= dirty_generation)
-        .values(clean_generation=dirty_generation)
-    ).rowcount
-    if moved:
-        return True
-    row = get(conn, binding, scope_id)
-    if row is None or (pending_sequence is not None and row.pending_sequence != pending_sequence):
-        raise IntentError(f"scope {scope_id!r} of {binding!r} no longer has the claimed intent row")
-    if row.dirty_generation < dirty_generation:
-        raise IntentError(
-            f"cannot mark clean {dirty_generation} above dirty {row.dirty_generation}"
-        )
-    return False
+    return _raise_pair(
+        conn,
+        binding,
+        scope_id,
+        pending_sequence,
+        lower="clean_generation",
+        upper="dirty_generation",
+        target=dirty_generation,
+        error="cannot mark clean {target} above dirty {upper}",
+    )
 
 
 def delete_scope(conn: Connection, binding: str, scope_id: str) -> bool:
