@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol, TypeVar
 
-from sqlalchemy import Connection, Engine, select, update
+from sqlalchemy import Connection, Engine, insert, select, update
 
 from apsup.errors import StaleTermError
 from apsup.store.schema import leases
@@ -164,3 +164,31 @@ def invalidate(
     return [
         r.supervisor_key for r in all_leases(conn) if chosen is None or r.supervisor_key in chosen
     ]
+
+
+def take_lease(
+    conn: Connection,
+    key: str,
+    holder_id: str,
+    previous: LeaseRow | None,
+    expires_at: datetime | None,
+) -> Term:
+    """Write a new term for ``key`` in the caller's (locked) transaction: generation 1 for a new
+    row, else the previous generation + 1 — a takeover never reuses a generation (no ABA)."""
+    if previous is None:
+        conn.execute(
+            insert(leases).values(
+                supervisor_key=key,
+                holder_id=holder_id,
+                supervisor_generation=1,
+                expires_at=expires_at,
+            )
+        )
+        return Term(key, holder_id, 1)
+    generation = previous.generation + 1
+    conn.execute(
+        update(leases)
+        .where(leases.c.supervisor_key == key)
+        .values(holder_id=holder_id, supervisor_generation=generation, expires_at=expires_at)
+    )
+    return Term(key, holder_id, generation)

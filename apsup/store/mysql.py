@@ -23,13 +23,13 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, create_engine, event, insert, text, update
+from sqlalchemy import Connection, create_engine, event, text, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
 from apsup.errors import ConfigError
 from apsup.store.base import SqlBackend
-from apsup.store.leases import INVALIDATED, Term, read_lease, validate
+from apsup.store.leases import INVALIDATED, Term, read_lease, take_lease, validate
 from apsup.store.schema import leases
 
 #: Errors after which the server has rolled back the whole transaction (not just a statement).
@@ -131,29 +131,12 @@ class MysqlBackend(SqlBackend):
             row = read_lease(conn, key, for_update=True)
             now = self._db_now(conn)
             expires = now + timedelta(seconds=lease_seconds)
-            if row is None:
-                conn.execute(
-                    insert(leases).values(
-                        supervisor_key=key,
-                        holder_id=holder_id,
-                        supervisor_generation=1,
-                        expires_at=expires,
-                    )
-                )
-                return Term(key, holder_id, 1)
-            free = row.holder_id == INVALIDATED or row.expires_at is None or row.expires_at <= now
+            free = row is None or (
+                row.holder_id == INVALIDATED or row.expires_at is None or row.expires_at <= now
+            )
             if not free:
                 return None
-            conn.execute(
-                update(leases)
-                .where(leases.c.supervisor_key == key)
-                .values(
-                    holder_id=holder_id,
-                    supervisor_generation=row.generation + 1,
-                    expires_at=expires,
-                )
-            )
-            return Term(key, holder_id, row.generation + 1)
+            return take_lease(conn, key, holder_id, row, expires)
 
         try:
             return self.run(body)

@@ -13,13 +13,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, create_engine, event, insert, update
+from sqlalchemy import Connection, create_engine, event, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
 from apsup.errors import ConfigError
 from apsup.store.base import SqlBackend
-from apsup.store.leases import INVALIDATED, Term, read_lease, validate
+from apsup.store.leases import INVALIDATED, Term, read_lease, take_lease, validate
 from apsup.store.schema import leases
 
 BUSY_TIMEOUT_SECONDS = 30.0
@@ -115,26 +115,7 @@ class SqliteBackend(SqlBackend):
 
         def body(conn: Connection) -> Term:
             row = read_lease(conn, key, for_update=False)
-            if row is None:
-                conn.execute(
-                    insert(leases).values(
-                        supervisor_key=key,
-                        holder_id=holder_id,
-                        supervisor_generation=1,
-                        expires_at=None,
-                    )
-                )
-                return Term(key, holder_id, 1)
-            conn.execute(
-                update(leases)
-                .where(leases.c.supervisor_key == key)
-                .values(
-                    holder_id=holder_id,
-                    supervisor_generation=row.generation + 1,
-                    expires_at=None,
-                )
-            )
-            return Term(key, holder_id, row.generation + 1)
+            return take_lease(conn, key, holder_id, row, None)
 
         return self.run(body)
 
