@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol, TypeVar
 
-from sqlalchemy import Connection, Engine, insert, select, update
+from sqlalchemy import Connection, Engine, bindparam, insert, select, update
 
 from apsup.errors import StaleTermError
 from apsup.store.schema import leases
@@ -105,16 +105,19 @@ class Backend(Protocol):
     def dispose(self) -> None: ...
 
 
+# Built once with a bound key: every fenced write runs it (see ``intents._GET`` for why).
+_LEASE = select(
+    leases.c.supervisor_key,
+    leases.c.holder_id,
+    leases.c.supervisor_generation,
+    leases.c.expires_at,
+).where(leases.c.supervisor_key == bindparam("p_key"))
+_LEASE_FOR_UPDATE = _LEASE.with_for_update()
+
+
 def read_lease(conn: Connection, key: str, *, for_update: bool) -> LeaseRow | None:
-    stmt = select(
-        leases.c.supervisor_key,
-        leases.c.holder_id,
-        leases.c.supervisor_generation,
-        leases.c.expires_at,
-    ).where(leases.c.supervisor_key == key)
-    if for_update:
-        stmt = stmt.with_for_update()
-    row = conn.execute(stmt).first()
+    stmt = _LEASE_FOR_UPDATE if for_update else _LEASE
+    row = conn.execute(stmt, {"p_key": key}).first()
     if row is None:
         return None
     return LeaseRow(row[0], row[1], int(row[2]), row[3])
