@@ -133,7 +133,7 @@ def test_dispatch_preferred_and_full_ready_queue_stops_discovery_and_checkpoint(
     assert s.snapshot()["a"].ready == 2  # x, y: the pass pauses before z
     assert dispatch(s).scope_id == "x"  # dispatch is preferred over discovery
     d = s.decide(T0)
-    assert d == FetchRequests("a", 2, 100)  # resumes after y
+    assert d == FetchRequests("a", 2, 1)  # resumes after y, for the one free place
     s.on_request_page("a", rows("z", start=3), exhausted=True)
     assert s.snapshot()["a"].ready == 2 and s.snapshot()["a"].running == 1
     # due, but no capacity: no StartScan, and the checkpoint does not advance (still due)
@@ -428,16 +428,26 @@ def test_restore_resumes_the_same_scan_generation_from_the_first_page() -> None:
 def test_request_discovery_is_paged_and_resumable_under_capacity() -> None:
     s = make(spec(max_workers=1, ready_limit=1, page_size=2))
     d = s.decide(T0)
-    assert d == FetchRequests("a", 0, 2)
-    s.on_request_page("a", rows("a1", "a2"), exhausted=False)
+    assert d == FetchRequests("a", 0, 1)  # never more rows than the ready queue has room for
+    s.on_request_page("a", rows("a1", "a2"), exhausted=False)  # a row beyond the room...
     assert s.key_state("a", "a1") is KeyState.READY and s.key_state("a", "a2") is None
     dispatch(s)
-    assert s.decide(T0) == FetchRequests("a", 1, 2)  # resumes after a1, a2 not lost
+    assert s.decide(T0) == FetchRequests("a", 1, 1)  # ...is not lost: resumes after a1
     s.on_request_page("a", rows("a2", "a3", start=2), exhausted=False)
     assert s.decide(T0) is None  # ready full (a2), budget used (a1)
     s.on_worker_exit("a", "a1", Outcome.SUCCESS, False, T0)
     dispatch(s)
-    assert s.decide(T0) == FetchRequests("a", 2, 2)
+    assert s.decide(T0) == FetchRequests("a", 2, 1)
+
+
+def test_a_paused_request_pass_asks_only_for_the_free_places() -> None:
+    s = make(spec(max_workers=1, ready_limit=8))
+    assert s.decide(T0) == FetchRequests("a", 0, 8)
+    s.on_request_page("a", rows(*(f"k{i}" for i in range(1, 9))), exhausted=False)
+    assert dispatch(s).scope_id == "k1"
+    assert s.decide(T0) == FetchRequests("a", 8, 1)  # one place freed: one row, after k8
+    s.on_request_page("a", rows("k9", start=9), exhausted=False)
+    assert s.decide(T0) is None  # budget used, ready full again
 
 
 def test_notifications_during_a_pass_coalesce_into_exactly_one_extra_pass() -> None:
@@ -460,7 +470,7 @@ def test_restore_always_schedules_a_full_request_pass() -> None:
     s = Scheduler([spec()], rng=random.Random(0))
     assert s.decide(T0) is None  # nothing before a term is established
     s.restore("a", BindingState(T0, 2, False, None))
-    assert s.decide(T0) == FetchRequests("a", 0, 100)
+    assert s.decide(T0) == FetchRequests("a", 0, 8)  # from the start, as much as fits
 
 
 def test_dispatch_not_started_frees_the_key() -> None:
@@ -572,7 +582,7 @@ def test_lease_lost_drops_everything_until_restore() -> None:
     assert s.decide(T0) is None and s.next_wakeup(T0) is None
     s.on_worker_exit("a", "x", Outcome.SUCCESS, False, T0)  # old term's exit: ignored
     s.restore("a", BindingState(T0, 1, False, None))
-    assert s.decide(T0) == FetchRequests("a", 0, 100)
+    assert s.decide(T0) == FetchRequests("a", 0, 8)  # the ready bound, max(8, 2 x budget)
 
 
 def test_restore_refuses_while_workers_are_counted_running() -> None:

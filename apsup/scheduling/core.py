@@ -400,7 +400,13 @@ class Scheduler:
                 return EndScan(f.name, scan.generation)
         requests: Decision | None = None
         if f.request_pass is not None:
-            requests = FetchRequests(f.name, f.request_pass.after_sequence, f.spec.page_size)
+            # Only as many rows as the ready queue has room for: a pass paused by a full queue
+            # resumes after every dispatch, and reading a whole page each time to keep one row
+            # would cost more than the dispatch itself.
+            room = f.limit - len(f.ready)
+            requests = FetchRequests(
+                f.name, f.request_pass.after_sequence, min(f.spec.page_size, room)
+            )
         scan_due = scan is None and (due := f.next_due(now)) is not None and due <= now
         if requests is not None and (f.requests_turn or (scan is None and not scan_due)):
             return requests  # request discovery and the scan take turns

@@ -147,7 +147,10 @@ MUTANTS: dict[str, tuple[list[tuple[str, str]], str]] = {
         r"admitted twice",
     ),
     "discovery without capacity": (
-        [("            if not f.has_room():\n                return None\n", "")],
+        [
+            ("            if not f.has_room():\n                return None\n", ""),
+            ("min(f.spec.page_size, room)", "f.spec.page_size"),  # the page's own room clamp
+        ],
         r"capacity|without going idle",
     ),
     "failed key dropped from memory": (
