@@ -40,6 +40,15 @@ def dispose_backends() -> None:
     _BACKENDS.clear()
 
 
+def release_before_exit() -> None:
+    """What a Worker does with its connections right before ``os._exit``: close those whose
+    server would otherwise log an aborted client; leave the rest to the kernel."""
+    for backend in _BACKENDS.values():
+        if backend.close_before_exit:
+            backend.dispose()
+    _BACKENDS.clear()
+
+
 _TYPES: dict[str, type | tuple[type, ...]] = {
     "binding_name": str,
     "artifact_family": str,

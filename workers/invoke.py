@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
-from apsup.context import ExecutionContext, dispose_backends
+from apsup.context import ExecutionContext, release_before_exit
 from apsup.errors import ConfigError, ContextError, ProgressConflict, StaleTermError
 from apsup.registry import resolve_entry_point
 from apsup.workers.exit_codes import ExitCode
@@ -54,4 +54,4 @@ def run(payload: bytes) -> int:
         _say("processor failed", exc)
         return ExitCode.PROCESSOR_FAILURE
     finally:
-        dispose_backends()
+        release_before_exit()  # the Worker exits next

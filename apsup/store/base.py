@@ -43,6 +43,9 @@ class SqlBackend:
     name = "abstract"
     engine: Engine
     read_engine: Engine
+    #: Whether a process about to exit should still close its connections (a server counts a
+    #: vanished client as an aborted connection). ``False`` where closing is only extra work.
+    close_before_exit = True
 
     def __init__(self, url: str) -> None:
         self.url = url

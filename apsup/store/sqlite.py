@@ -48,6 +48,9 @@ def _create_private(path: Path) -> None:
 
 class SqliteBackend(SqlBackend):
     name = "sqlite"
+    # A committed SQLite connection needs no goodbye; closing the last one would checkpoint and
+    # truncate the WAL inside a Worker that is about to exit, on the invocation's time.
+    close_before_exit = False
 
     def __init__(self, url: str, *, synchronous: str = "FULL") -> None:
         super().__init__(url)
