@@ -8,6 +8,12 @@ invocations/s. Beside it, the same machine's raw cost: ``WorkerPool`` launching 
 from a forkserver with the same preload, with the same number in flight. The overhead ratio is
 the Supervisor's Worker-slot time per invocation over the raw time per launch (target <= 1.5).
 
+A third measurement is the protocol's floor on this machine: the same bare launch, but the child
+does the least any correct Worker must do (RFC §5, §6, §8) with no apsup code and no SQLAlchemy:
+open the SQLite file with the stdlib driver, ``BEGIN IMMEDIATE``, check the Lease row, raise
+``handled_generation`` to G, commit with ``synchronous=FULL``. No Supervisor can beat it, so
+floor/raw bounds the reachable ratio and supervised/floor is the Supervisor's own overhead.
+
 Shared CI machines are noisy: raw and supervised runs alternate for ``--rounds`` rounds and the
 best round of each is reported. Every measurement stops at ``--budget`` seconds, so the whole
 run stays well under 2 minutes. A last section times, inside a real Worker child, the database
@@ -52,6 +58,31 @@ def noop(scope_id, ctx):
     return None
 
 
+def floor_ack(payload):
+    """The protocol floor: one fenced acknowledgment with the stdlib driver, nothing else."""
+    import sqlite3
+
+    path, key, holder, term, binding, scope, generation, sequence = payload.decode().split("\\n")
+    conn = sqlite3.connect(path, timeout=30, isolation_level=None)
+    conn.execute("PRAGMA synchronous=FULL")
+    conn.execute("BEGIN IMMEDIATE")
+    lease = conn.execute(
+        "SELECT holder_id, supervisor_generation FROM pc_artifact_processing_leases"
+        " WHERE supervisor_key = ?",
+        (key,),
+    ).fetchone()
+    if lease != (holder, int(term)):
+        return 3
+    moved = conn.execute(
+        "UPDATE pc_artifact_processing_intents SET handled_generation = ?"
+        " WHERE binding_name = ? AND scope_id = ? AND pending_sequence = ?"
+        " AND handled_generation < ? AND requested_generation >= ?",
+        (int(generation), binding, scope, int(sequence), int(generation), int(generation)),
+    ).rowcount
+    conn.execute("COMMIT")
+    return 0 if moved == 1 else 1
+
+
 def phase_probe(payload):
     """Times the database steps of one invocation, as a bare Worker target."""
     from sqlalchemy import update
@@ -79,6 +110,11 @@ def phase_probe(payload):
             fh.write(f"{name}={(t1 - t0) * 1000:.3f}\\n")
     return 0
 '''
+
+
+RAW = "raw WorkerPool launch+exit"
+FLOOR = "floor: launch + stdlib fenced ack"
+SUPERVISED = "Supervisor (no-op family)"
 
 
 @dataclass
@@ -141,7 +177,62 @@ def raw_launches(url: str, n: int, concurrency: int, budget: float) -> Run:
             in_flight -= exited
             done += exited
         wall = time.perf_counter() - start
-    return Run("raw WorkerPool launch+exit", concurrency, done, wall)
+    return Run(RAW, concurrency, done, wall)
+
+
+def floor_launches(url: str, n: int, concurrency: int, budget: float) -> Run:
+    """Bare launches whose child performs one fenced acknowledgment with the stdlib driver."""
+    from apsup.store import intents, open_backend
+    from apsup.store.leases import GLOBAL_KEY, new_holder_id
+    from apsup.workers import WorkerPool
+
+    fam = importlib.import_module(FAMILY_MODULE).noop
+    backend = open_backend(url)
+    try:
+        term = backend.claim_term(GLOBAL_KEY, new_holder_id(), 0)
+        assert term is not None
+        with backend.read() as conn:
+            rows = [intents.get(conn, fam.binding_name, f"scope-{i:06d}") for i in range(n)]
+    finally:
+        backend.dispose()
+    path = url.removeprefix("sqlite:///")
+    lease = (path, term.supervisor_key, term.holder_id, term.generation)
+    payloads = [
+        "\n".join(
+            str(v)
+            for v in (
+                *lease,
+                fam.binding_name,
+                row.scope_id,
+                row.requested_generation,
+                row.pending_sequence,
+            )
+        ).encode()
+        for row in rows
+        if row is not None
+    ]
+    target = f"{FAMILY_MODULE}:floor_ack"
+    failed = 0
+    with WorkerPool(host_preload(url)) as pool:
+        for i in range(concurrency):
+            pool.launch(f"warm{i}", "apsup.workers.child:noop", b"", timeout=60)
+        drain(pool)
+        in_flight = launched = done = 0
+        start = time.perf_counter()
+        while in_flight or (launched < len(payloads) and time.perf_counter() - start < budget):
+            while in_flight < concurrency and launched < len(payloads):
+                pool.launch(f"f{launched}", target, payloads[launched], timeout=60)
+                launched += 1
+                in_flight += 1
+            wait(pool.sentinels(), 5.0)
+            exits = pool.poll()
+            in_flight -= len(exits)
+            done += len(exits)
+            failed += sum(1 for ex in exits if ex.exitcode != 0)
+        wall = time.perf_counter() - start
+    if failed:
+        print(f"  warning: {failed} floor acknowledgment(s) failed", file=sys.stderr)
+    return Run(FLOOR, concurrency, done - failed, wall)
 
 
 def prepare_db(folder: Path, name: str, n: int) -> str:
@@ -192,7 +283,7 @@ def supervised(url: str, n: int, concurrency: int, budget: float, profile: bool 
         pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(15)
         print(f"\n--- host loop profile, {concurrency} Workers, {count} invocations ---")
         print(out.getvalue())
-    return Run("Supervisor (no-op family)", concurrency, count, wall)
+    return Run(SUPERVISED, concurrency, count, wall)
 
 
 def worker_phases(folder: Path, url: str, samples: int = 25) -> dict[str, float]:
@@ -228,8 +319,10 @@ def main(argv: list[str] | None = None) -> int:
         for round_no in range(args.rounds):
             for concurrency in (2, 8):
                 url = prepare_db(folder, f"r{round_no}-c{concurrency}.db", args.requests)
+                floor_url = prepare_db(folder, f"f{round_no}-c{concurrency}.db", args.requests)
                 for run in (
                     raw_launches(url, args.requests, concurrency, args.budget),
+                    floor_launches(floor_url, args.requests, concurrency, args.budget),
                     supervised(url, args.requests, concurrency, args.budget),
                 ):
                     key = (run.label, concurrency)
@@ -242,26 +335,31 @@ def main(argv: list[str] | None = None) -> int:
 
     load = " ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"\ncpus: {os.cpu_count()}  load average: {load}  (best of {args.rounds} rounds)")
-    header = f"{'measurement':<30}{'workers':>8}{'count':>7}{'per s':>9}{'ms/inv*':>10}"
+    header = f"{'measurement':<34}{'workers':>8}{'count':>7}{'per s':>9}{'ms/inv*':>10}"
     print(header)
     print("-" * len(header))
     for concurrency in (2, 8):
-        for label in ("raw WorkerPool launch+exit", "Supervisor (no-op family)"):
+        for label in (RAW, FLOOR, SUPERVISED):
             run = best[(label, concurrency)]
             print(
-                f"{run.label:<30}{run.concurrency:>8}{run.count:>7}{run.per_second:>9.1f}"
+                f"{run.label:<34}{run.concurrency:>8}{run.count:>7}{run.per_second:>9.1f}"
                 f"{run.slot_ms:>10.2f}"
             )
     print("* Worker-slot time per invocation: wall / count x workers")
     print()
     for concurrency in (2, 8):
-        raw = best[("raw WorkerPool launch+exit", concurrency)]
-        sup = best[("Supervisor (no-op family)", concurrency)]
+        raw = best[(RAW, concurrency)]
+        floor = best[(FLOOR, concurrency)]
+        sup = best[(SUPERVISED, concurrency)]
         ratio = sup.slot_ms / raw.slot_ms
         verdict = "ok" if ratio <= 1.5 else "ABOVE the 1.5 target"
         print(
             f"overhead ratio at {concurrency} Workers: {ratio:.2f} "
             f"({sup.slot_ms:.1f} ms supervised vs {raw.slot_ms:.1f} ms raw launch)  {verdict}"
+        )
+        print(
+            f"  floor/raw {floor.slot_ms / raw.slot_ms:.2f} (the best any Supervisor can reach), "
+            f"supervised/floor {sup.slot_ms / floor.slot_ms:.2f} (the Supervisor's own share)"
         )
     print("\nDatabase steps of one invocation inside a Worker child (median ms):")
     for name, value in phases.items():
