@@ -169,12 +169,16 @@ def test_later_writes_still_begin_immediate(
         conn.execute(text("INSERT INTO hyg_rows (note) VALUES (randomblob(500000))"))
     assert invalidated
 
-    statements: list[str] = []
+    statements: list[str] = []  # what SQLite itself executed, settings (PRAGMA) left out
 
-    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-        statements.append(" ".join(statement.split()[:2]))
+    def record(statement: str) -> None:
+        if not statement.startswith("PRAGMA"):
+            statements.append(" ".join(statement.split()[:2]))
 
-    event.listen(backend.engine, "before_cursor_execute", record)
+    def trace(dbapi_conn: Any, record_: Any, proxy: Any) -> None:
+        dbapi_conn.set_trace_callback(record)
+
+    event.listen(backend.engine, "checkout", trace)
     try:
         for opener in (lambda: backend.fenced(term), backend.transaction):
             statements.clear()
@@ -195,7 +199,7 @@ def test_later_writes_still_begin_immediate(
             assert _writer_can_begin(backend)
         assert statements[0] == "BEGIN", statements
     finally:
-        event.remove(backend.engine, "before_cursor_execute", record)
+        event.remove(backend.engine, "checkout", trace)
     assert _notes(backend) == ["fenced again", "fenced again"]
 
 
