@@ -135,7 +135,7 @@ def cmd_switch_mode(args: argparse.Namespace) -> int:
 
     registry = _import_apps(args.app)
     settings = _settings(args, registry)
-    report = switch_mode(settings, args.to)
+    report = switch_mode(settings, args.to, force=args.force)
     print(report)
     return 0
 
@@ -199,6 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
     with_app(m)
     with_db(m)
     m.add_argument("--to", required=True, choices=["global", "dedicated"])
+    m.add_argument(
+        "--force",
+        action="store_true",
+        help="MySQL: proceed although a Lease is still live (its holder is known to be dead)",
+    )
     m.set_defaults(func=cmd_switch_mode)
     return parser
 

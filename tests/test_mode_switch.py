@@ -163,16 +163,13 @@ def test_mysql_switch_is_refused_while_a_lease_is_live(backend: SqlBackend, db_u
     assert all(c.generation_after > c.generation_before for c in report.changes)
 
 
-def test_cli_switch_mode_prints_what_it_did(backend: SqlBackend, db_url: str) -> None:
-    Cluster.prepare(db_url)
-    term = _old_mode_state(backend)
-    backend.release_term(term)
+def _cli_switch(db_url: str, *extra: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("POWERCONTEXT_")}
     env["PYTHONPATH"] = str(REPO_ROOT)
-    out = subprocess.run(
+    return subprocess.run(
         [
             *(sys.executable, "-m", "apsup.cli", "maintenance", "switch-mode"),
-            *("--to", "dedicated", "--app", "tests.replicas.cli_app", "--db", db_url),
+            *("--to", "dedicated", "--app", "tests.replicas.cli_app", "--db", db_url, *extra),
         ],
         env=env,
         capture_output=True,
@@ -180,6 +177,35 @@ def test_cli_switch_mode_prints_what_it_did(backend: SqlBackend, db_url: str) ->
         timeout=60,
         cwd=str(REPO_ROOT),
     )
+
+
+@pytest.mark.mysql_only
+def test_cli_refuses_a_live_lease_and_names_force_which_then_proceeds(
+    backend: SqlBackend, db_url: str
+) -> None:
+    Cluster.prepare(db_url)
+    _old_mode_state(backend)  # a replica that died without releasing: its Lease is still live
+    before = backend.lease_rows()
+    refused = _cli_switch(db_url)
+    assert refused.returncode == 3, refused.stderr  # a host conflict, not a crash
+    assert "--force" in refused.stderr and "global" in refused.stderr
+    assert backend.lease_rows() == before
+    forced = _cli_switch(db_url, "--force")
+    assert forced.returncode == 0, forced.stderr
+    after = {r.supervisor_key: r for r in backend.lease_rows()}
+    assert all(
+        after[r.supervisor_key].holder_id == ""
+        and after[r.supervisor_key].generation > r.generation
+        for r in before
+        if r.holder_id
+    )
+
+
+def test_cli_switch_mode_prints_what_it_did(backend: SqlBackend, db_url: str) -> None:
+    Cluster.prepare(db_url)
+    term = _old_mode_state(backend)
+    backend.release_term(term)
+    out = _cli_switch(db_url)
     assert out.returncode == 0, out.stderr
     assert "invalidated global" in out.stdout
     assert "artifact:replica-side, artifact:replica-work" in out.stdout

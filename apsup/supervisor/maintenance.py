@@ -132,7 +132,8 @@ def switch_mode(settings: Settings, to: str, *, force: bool = False) -> SwitchRe
                 raise HostConflictError(
                     f"replicas still hold live Leases: {detail}. Stop every background "
                     "replica first (RFC §9 step 1); a killed replica's Lease expires after the "
-                    "lease time. Retry then, or force if the holders are known to be dead"
+                    "lease time. Retry then, or pass --force (force=True) if the holders are "
+                    "known to be dead"
                 )
         backend.invalidate_terms(None)
         after = {r.supervisor_key: r for r in backend.lease_rows()}
