@@ -270,3 +270,28 @@ def test_sqlite_files_are_private(tmp_path: Path) -> None:
         os.umask(old)
     assert {"private.db", "private.db-wal", "private.db-shm"} <= set(files), files
     assert {name: mode for name, mode in files.items() if mode != 0o600} == {}
+
+
+@pytest.mark.backends("sqlite")
+@pytest.mark.parametrize("mode", [0o644, 0o600])
+def test_a_host_warns_about_an_existing_file_other_users_can_read(
+    tmp_path: Path, mode: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    from apsup.supervisor.launcher import build_host
+    from tests.replicas import families
+
+    path = tmp_path / "existing.db"
+    url = f"sqlite:///{path}"
+    migrate(url)
+    path.chmod(mode)
+    with caplog.at_level("WARNING", logger="apsup.launcher"):
+        bundle = build_host(url, list(families.registry))
+        bundle.close()
+    warnings_ = [r for r in caplog.records if "other users" in r.getMessage()]
+    assert stat.S_IMODE(path.stat().st_mode) == mode  # a deliberate setup is not changed
+    if mode == 0o600:
+        assert warnings_ == []
+    else:
+        assert len(warnings_) == 1
+        assert warnings_[0].fix == f"chmod 600 {path}"  # type: ignore[attr-defined]
+        assert warnings_[0].mode == "644"  # type: ignore[attr-defined]

@@ -51,6 +51,20 @@ def _create_private(path: Path) -> None:
     os.close(fd)
 
 
+def shared_mode(path: Path) -> int | None:
+    """The permission bits of an existing database file that other users may read or write.
+
+    Only files apsup creates are made 0600; an existing file keeps its mode, since tightening
+    it could break a deliberate setup. The host warns about it instead (it holds every intent
+    and the processors' business data).
+    """
+    try:
+        mode = path.stat().st_mode & 0o777
+    except OSError:
+        return None
+    return mode if mode & 0o077 else None
+
+
 def _begin_immediate(conn: Connection, busy_timeout: float) -> None:
     """``BEGIN IMMEDIATE``, waiting for the write lock in short, jittered steps.
 

@@ -20,6 +20,7 @@ from apsup.registry import Family
 from apsup.scheduling import Backoff
 from apsup.store import SqlBackend, open_backend, worker_preload
 from apsup.store.leases import GLOBAL_KEY, dedicated_key
+from apsup.store.sqlite import database_path, shared_mode
 from apsup.supervisor.control import ControlChannel, HostLock
 from apsup.supervisor.host import Host, LeasePolicy
 from apsup.supervisor.supervisor import Hooks, Supervisor
@@ -88,6 +89,16 @@ def _start_pool(modules: list[str], database_url: str, grace_seconds: float) -> 
             os.unlink(path)
 
 
+def _warn_if_shared(database_url: str) -> None:
+    path = database_path(database_url)
+    mode = shared_mode(path) if path is not None else None
+    if path is not None and mode is not None:
+        log.warning(
+            "database file is accessible to other users",
+            extra={"path": str(path), "mode": f"{mode:o}", "fix": f"chmod 600 {path}"},
+        )
+
+
 def build_host(
     database_url: str,
     families: Sequence[Family],
@@ -111,6 +122,7 @@ def build_host(
             lock = HostLock(database_url)
             lock.acquire()
             control = ControlChannel(database_url)
+            _warn_if_shared(database_url)
         # Everything a Worker imports is preloaded by the forkserver once: the families, the
         # invoke wrapper and the backend's dialect + driver (otherwise each launch imports them).
         modules = sorted(
