@@ -87,7 +87,8 @@ def _begin_immediate(conn: Connection, busy_timeout: float) -> None:
                 dbapi_conn.execute("BEGIN IMMEDIATE")
                 return
             except sqlite3.OperationalError as exc:
-                if getattr(exc, "sqlite_errorcode", None) != sqlite3.SQLITE_BUSY:
+                # The extended codes (BUSY_RECOVERY, BUSY_SNAPSHOT ...) are contention too.
+                if getattr(exc, "sqlite_errorcode", 0) & 0xFF != sqlite3.SQLITE_BUSY:
                     break  # not contention: let SQLAlchemy raise it, wrapped
             time.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 1.5, _SPIN_MAX)
