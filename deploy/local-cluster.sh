@@ -100,8 +100,9 @@ start_seekdb() {
         --log-level WARN --variable time_zone=+00:00 </dev/null >"$SERVER_DIR/console.out" 2>&1 &
     SERVER_PID=$!
     disown "$SERVER_PID" # no job report when it exits 137 on SIGTERM
-    "$PY" - "$port" "$SERVER_PID" <<'PYEOF' || die "seekdb did not start (see $SERVER_DIR/console.out)"
-import os, sys, time
+    local password
+    password=$("$PY" - "$port" "$SERVER_PID" <<'PYEOF'
+import os, secrets, sys, time
 import pymysql
 port, pid = int(sys.argv[1]), int(sys.argv[2])
 deadline = time.monotonic() + 60
@@ -112,14 +113,19 @@ while time.monotonic() < deadline:
     except pymysql.err.MySQLError:
         time.sleep(0.1)
         continue
+    password = secrets.token_hex(16)
     with conn.cursor() as cur:
         cur.execute("CREATE DATABASE IF NOT EXISTS apsup")
+        cur.execute("ALTER USER root IDENTIFIED BY %s", (password,))
     conn.close()
+    print(password)
     sys.exit(0)
 sys.exit(1)
 PYEOF
-    # It listens on 0.0.0.0 whatever we ask; we only ever connect through 127.0.0.1.
-    URL="mysql+pymysql://root@127.0.0.1:$port/apsup"
+    ) || die "seekdb did not start (see $SERVER_DIR/console.out)"
+    # It listens on 0.0.0.0 whatever we ask; we only ever connect through 127.0.0.1, and root
+    # gets a random password as soon as it accepts connections (it starts with none).
+    URL="mysql+pymysql://root:$password@127.0.0.1:$port/apsup"
     echo "local-cluster: seekdb on 127.0.0.1:$port (data in $SERVER_DIR)"
 }
 

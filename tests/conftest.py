@@ -7,7 +7,7 @@ Fixtures (names are relied on by the whole suite):
 - ``db_url``: URL string of a fresh, empty database for the current backend.
 - ``backend``: ``apsup.store.open_backend(db_url)`` after ``apsup.store.migrate(db_url)``.
 - ``mysql_url_admin`` (session): server URL without a database, e.g.
-  ``mysql+pymysql://root@127.0.0.1:PORT/``. Taken from ``APSUP_TEST_MYSQL_URL`` (set by
+  ``mysql+pymysql://root:PASSWORD@127.0.0.1:PORT/``. Taken from ``APSUP_TEST_MYSQL_URL`` (set by
   ``./run test``), otherwise a seekdb server is started once per (xdist worker) process.
 
 Marks: ``@pytest.mark.mysql_only`` or ``@pytest.mark.backends("sqlite")`` on a test (or

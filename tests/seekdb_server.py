@@ -5,7 +5,8 @@ module is ``./run``; keep the two in step (DESIGN.md §7 lists the server's pitf
 
 - it takes ~1.5 s to accept connections; we poll with PyMySQL on 127.0.0.1;
 - SIGTERM makes it exit 137: stop with SIGTERM, poll, then SIGKILL after a grace period;
-- it listens on 0.0.0.0 whatever we ask, so tests only ever connect to 127.0.0.1;
+- it listens on 0.0.0.0 whatever we ask, so tests only ever connect to 127.0.0.1, and root
+  gets a random password as soon as the server accepts connections (it starts with none);
 - its time zone is fixed when the data folder is first created: always start from a fresh one.
 
 Usable as a module (``SeekdbServer``) or from the shell for manual debugging::
@@ -18,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -107,12 +109,13 @@ class SeekdbServer:
         self.port: int | None = None
         self.base_dir: Path | None = None
         self.proc: subprocess.Popen[bytes] | None = None
+        self.password = ""
 
     @property
     def admin_url(self) -> str:
-        """Server URL without a database, e.g. ``mysql+pymysql://root@127.0.0.1:PORT/``."""
+        """Server URL without a database: ``mysql+pymysql://root:PASSWORD@127.0.0.1:PORT/``."""
         assert self.port is not None, "server not started"
-        return f"mysql+pymysql://root@127.0.0.1:{self.port}/"
+        return f"mysql+pymysql://root:{self.password}@127.0.0.1:{self.port}/"
 
     def log_tail(self) -> str:
         if self.base_dir is None:
@@ -179,13 +182,21 @@ class SeekdbServer:
                     f"connections on 127.0.0.1:{self.port}\n{self.log_tail()}"
                 )
             try:
-                pymysql.connect(
+                conn = pymysql.connect(
                     host="127.0.0.1", port=self.port, user="root", connect_timeout=2
-                ).close()
-                return
+                )
             except pymysql.err.MySQLError as exc:
                 last_error = exc
                 time.sleep(0.1)
+                continue
+            password = secrets.token_hex(16)
+            try:
+                with conn.cursor() as cur:
+                    cur.execute("ALTER USER root IDENTIFIED BY %s", (password,))
+            finally:
+                conn.close()
+            self.password = password
+            return
         raise SeekdbUnavailable(
             f"seekdb did not accept connections on 127.0.0.1:{self.port} within "
             f"{READY_TIMEOUT_S:.0f} s (last error: {last_error})\n{self.log_tail()}"
