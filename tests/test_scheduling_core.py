@@ -133,7 +133,7 @@ def test_dispatch_preferred_and_full_ready_queue_stops_discovery_and_checkpoint(
     assert s.snapshot()["a"].ready == 2  # x, y: the pass pauses before z
     assert dispatch(s).scope_id == "x"  # dispatch is preferred over discovery
     d = s.decide(T0)
-    assert d == FetchRequests("a", 2, 1)  # resumes after y, for the one free place
+    assert d == FetchRequests("a", 2, 3)  # after y: one free place + the 2 keys held
     s.on_request_page("a", rows("z", start=3), exhausted=True)
     assert s.snapshot()["a"].ready == 2 and s.snapshot()["a"].running == 1
     # due, but no capacity: no StartScan, and the checkpoint does not advance (still due)
@@ -432,22 +432,40 @@ def test_request_discovery_is_paged_and_resumable_under_capacity() -> None:
     s.on_request_page("a", rows("a1", "a2"), exhausted=False)  # a row beyond the room...
     assert s.key_state("a", "a1") is KeyState.READY and s.key_state("a", "a2") is None
     dispatch(s)
-    assert s.decide(T0) == FetchRequests("a", 1, 1)  # ...is not lost: resumes after a1
+    assert s.decide(T0) == FetchRequests("a", 1, 2)  # ...is not lost: resumes after a1
     s.on_request_page("a", rows("a2", "a3", start=2), exhausted=False)
     assert s.decide(T0) is None  # ready full (a2), budget used (a1)
     s.on_worker_exit("a", "a1", Outcome.SUCCESS, False, T0)
     dispatch(s)
-    assert s.decide(T0) == FetchRequests("a", 2, 1)
+    assert s.decide(T0) == FetchRequests("a", 2, 2)
 
 
-def test_a_paused_request_pass_asks_only_for_the_free_places() -> None:
+def test_a_paused_request_pass_asks_for_the_free_places_plus_the_keys_to_skip() -> None:
     s = make(spec(max_workers=1, ready_limit=8))
     assert s.decide(T0) == FetchRequests("a", 0, 8)
     s.on_request_page("a", rows(*(f"k{i}" for i in range(1, 9))), exhausted=False)
     assert dispatch(s).scope_id == "k1"
-    assert s.decide(T0) == FetchRequests("a", 8, 1)  # one place freed: one row, after k8
+    # one free place; k1..k8 are held in memory and could reappear: 1 + 8 rows, not a page of 100
+    assert s.decide(T0) == FetchRequests("a", 8, 9)
     s.on_request_page("a", rows("k9", start=9), exhausted=False)
     assert s.decide(T0) is None  # budget used, ready full again
+
+
+def test_keys_in_retry_wait_are_skipped_within_one_page_not_one_query_each() -> None:
+    s = make(spec(max_workers=1, ready_limit=2), backoff=Backoff(jitter=0))
+    failing = [f"f{i}" for i in range(1, 6)]
+    for scope in failing:  # five keys fail and wait in backoff, their requests still pending
+        s.on_notify("a")
+        finish_request_pass(s, "a", rows(scope, start=int(scope[1:])))
+        dispatch(s)
+        s.on_worker_exit("a", scope, Outcome.FAILURE, False, T0)
+    assert all(s.key_state("a", k) is KeyState.RETRY_WAIT for k in failing)
+    s.on_notify("a")
+    d = s.decide(T0)
+    assert d == FetchRequests("a", 0, 7)  # 2 free places + 5 keys held
+    # the page holds the five waiting keys first, then two new ones: one query fills the queue
+    s.on_request_page("a", rows(*failing, "n6", "n7"), exhausted=False)
+    assert s.key_state("a", "n6") is KeyState.READY and s.key_state("a", "n7") is KeyState.READY
 
 
 def test_notifications_during_a_pass_coalesce_into_exactly_one_extra_pass() -> None:

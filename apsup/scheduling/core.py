@@ -400,12 +400,13 @@ class Scheduler:
                 return EndScan(f.name, scan.generation)
         requests: Decision | None = None
         if f.request_pass is not None:
-            # Only as many rows as the ready queue has room for: a pass paused by a full queue
-            # resumes after every dispatch, and reading a whole page each time to keep one row
-            # would cost more than the dispatch itself.
-            room = f.limit - len(f.ready)
+            # A pass paused by a full ready queue resumes after every dispatch; reading a whole
+            # page each time to keep one row would cost more than the dispatch itself. So: the
+            # free places, plus every key held in memory (ready, running, retry-wait), which the
+            # page may contain and must skip; a page can therefore still fill every free place.
+            wanted = f.limit - len(f.ready) + len(f.keys)
             requests = FetchRequests(
-                f.name, f.request_pass.after_sequence, min(f.spec.page_size, room)
+                f.name, f.request_pass.after_sequence, min(f.spec.page_size, wanted)
             )
         scan_due = scan is None and (due := f.next_due(now)) is not None and due <= now
         if requests is not None and (f.requests_turn or (scan is None and not scan_due)):

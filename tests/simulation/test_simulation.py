@@ -149,7 +149,7 @@ MUTANTS: dict[str, tuple[list[tuple[str, str]], str]] = {
     "discovery without capacity": (
         [
             ("            if not f.has_room():\n                return None\n", ""),
-            ("min(f.spec.page_size, room)", "f.spec.page_size"),  # the page's own room clamp
+            ("min(f.spec.page_size, wanted)", "f.spec.page_size"),  # the page's own clamp
         ],
         r"capacity|without going idle",
     ),
