@@ -112,6 +112,19 @@ class LeaseView:
     db_now: datetime
 
 
+def _accepted(conn: Any) -> list[Any]:
+    """(family, scope, highest accepted G) for every Scope a test requested."""
+    return list(
+        conn.execute(
+            select(
+                families.accepted.c.family,
+                families.accepted.c.scope_id,
+                func.max(families.accepted.c.g),
+            ).group_by(families.accepted.c.family, families.accepted.c.scope_id)
+        ).all()
+    )
+
+
 class Cluster:
     def __init__(
         self,
@@ -280,13 +293,7 @@ class Cluster:
     def unhandled(self) -> list[tuple[str, str, int, int]]:
         """Accepted requests whose generation is not acknowledged yet."""
         with self.backend.read() as conn:
-            acc = conn.execute(
-                select(
-                    families.accepted.c.family,
-                    families.accepted.c.scope_id,
-                    func.max(families.accepted.c.g),
-                ).group_by(families.accepted.c.family, families.accepted.c.scope_id)
-            ).all()
+            acc = _accepted(conn)
             out = []
             for fam_name, scope, g in acc:
                 row = intents.get(conn, families.registry.get(fam_name).binding_name, scope)
@@ -309,13 +316,7 @@ class Cluster:
     def uncovered(self) -> list[str]:
         """Accepted (family, scope, g) without a business commit for some G >= g."""
         with self.backend.read() as conn:
-            acc = conn.execute(
-                select(
-                    families.accepted.c.family,
-                    families.accepted.c.scope_id,
-                    func.max(families.accepted.c.g),
-                ).group_by(families.accepted.c.family, families.accepted.c.scope_id)
-            ).all()
+            acc = _accepted(conn)
             done = {
                 (f, s): int(g)
                 for f, s, g in conn.execute(
