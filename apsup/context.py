@@ -3,15 +3,19 @@
 It crosses the process boundary as orjson bytes with a version field, never as pickle. The
 child rebuilds its own database engine from ``database_url``; ``fenced()`` gives the processor a
 transaction in which the dispatching term was locked and validated, so an acknowledgment or any
-business write commits only while that term is still the valid one.
+business write commits only while that term is still the valid one. ``fenced_async()`` is the
+same fence on a SQLAlchemy ``AsyncConnection`` (aiosqlite / aiomysql), for ``async def``
+processors; its engine is built in the Worker's own event loop, on first use.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+import asyncio
+import weakref
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from sqlalchemy import Connection
@@ -20,6 +24,11 @@ from apsup.errors import ContextError, StaleTermError
 from apsup.store import SqlBackend, open_backend, redact_url
 from apsup.store import intents as _intents
 from apsup.store.leases import Term
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncConnection
+
+    from apsup.store.async_engine import AsyncStore
 
 CONTEXT_VERSION = 1
 
@@ -38,6 +47,30 @@ def dispose_backends() -> None:
     for backend in _BACKENDS.values():
         backend.dispose()
     _BACKENDS.clear()
+
+
+# Async engines per event loop (their connections belong to it), then per database URL.
+_ASYNC_STORES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, AsyncStore]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def async_store_for(url: str) -> AsyncStore:
+    """One async engine per database URL per running event loop."""
+    from apsup.store.async_engine import AsyncStore
+
+    stores = _ASYNC_STORES.setdefault(asyncio.get_running_loop(), {})
+    store = stores.get(url)
+    if store is None:
+        store = stores[url] = AsyncStore(backend_for(url))
+    return store
+
+
+async def dispose_async_backends() -> None:
+    """Close the running loop's async connections (before that loop ends)."""
+    stores = _ASYNC_STORES.pop(asyncio.get_running_loop(), {})
+    for store in stores.values():
+        await store.dispose()
 
 
 def release_before_exit() -> None:
@@ -81,8 +114,9 @@ class ExecutionContext:
     entry_point: str
     database_url: str = field(repr=False)
     settings: dict[str, str] = field(default_factory=dict, repr=False)
-    _ack_pending: Connection | None = field(default=None, repr=False, init=False)
+    _ack_pending: Connection | AsyncConnection | None = field(default=None, repr=False, init=False)
     _fenced_conn: Connection | None = field(default=None, repr=False, init=False)
+    _fenced_aconn: AsyncConnection | None = field(default=None, repr=False, init=False)
     _acknowledged: bool = field(default=False, repr=False, init=False)
 
     # -- serialisation ------------------------------------------------------------------------
@@ -155,6 +189,57 @@ class ExecutionContext:
         if ack:
             self._acknowledged = True
         self._ack_pending = None
+
+    @asynccontextmanager
+    async def fenced_async(self) -> AsyncIterator[AsyncConnection]:
+        """``fenced()`` for async processors: an ``AsyncConnection`` in a short write transaction
+        in which the dispatching term was locked and validated (StaleTermError if lost)."""
+        async with async_store_for(self.database_url).fenced(self.term) as conn:
+            outer, self._fenced_aconn = self._fenced_aconn, conn
+            try:
+                yield conn
+                ack = self._ack_pending is conn
+            finally:
+                self._fenced_aconn = outer
+        # Reached only after COMMIT succeeded.
+        if ack:
+            self._acknowledged = True
+        self._ack_pending = None
+
+    def _check_aconn(self, conn: AsyncConnection) -> None:
+        if conn is not self._fenced_aconn or not conn.in_transaction():
+            raise StaleTermError(
+                "acknowledge_async/mark_clean_async must run inside ctx.fenced_async()"
+            )
+
+    async def acknowledge_async(self, conn: AsyncConnection) -> bool:
+        """``acknowledge`` inside ``fenced_async()``."""
+        self._check_aconn(conn)
+        moved = await conn.run_sync(
+            _intents.acknowledge,
+            self.binding_name,
+            self.scope_id,
+            self.claimed_request_generation,
+            self.pending_sequence,
+        )
+        self._ack_pending = conn
+        return bool(moved)
+
+    async def mark_clean_async(self, conn: AsyncConnection, dirty_generation: int) -> bool:
+        """``mark_clean`` inside ``fenced_async()``."""
+        self._check_aconn(conn)
+        return bool(
+            await conn.run_sync(
+                _intents.mark_clean,
+                self.binding_name,
+                self.scope_id,
+                dirty_generation,
+                self.pending_sequence,
+            )
+        )
+
+    async def dirty_generation_async(self, conn: AsyncConnection) -> int:
+        return int(await conn.run_sync(self.dirty_generation))
 
     def _check_conn(self, conn: Connection) -> None:
         # Only the connection this context's fenced() yielded has this term locked + validated;
