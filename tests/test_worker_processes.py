@@ -1,7 +1,9 @@
 """Worker processes for real: forkserver launches, exit codes, timeouts, signals, confirmation.
 
 Every test uses real processes and real signals (targets in tests/worker_targets.py). No timing
-assertion is tighter than "well before 30 s".
+assertion is tighter than "well before 30 s". Tests taking the ``flavour`` fixture run once with
+the plain target and once with its ``async def`` twin (``a_<name>``), which runs in the Worker's
+own event loop: outcomes, timeouts and signals must not depend on which one it is.
 """
 
 from __future__ import annotations
@@ -87,6 +89,16 @@ def is_dead(pid: int) -> bool:
     return process_state(pid) in (None, "Z", "X")
 
 
+@pytest.fixture(params=["sync", "async"])
+def flavour(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def tgt(flavour: str, name: str) -> str:
+    """``tests.worker_targets:<name>``, or its async twin ``a_<name>``."""
+    return f"{T}:{'a_' if flavour == 'async' else ''}{name}"
+
+
 @pytest.fixture
 def pool() -> Iterator[WorkerPool]:
     # A graceful exit must fit in the grace even on a loaded 2-CPU box, hence 3 s.
@@ -100,8 +112,8 @@ def pool() -> Iterator[WorkerPool]:
 # --- outcomes ------------------------------------------------------------------------------------
 
 
-def test_success_and_handle_bookkeeping(pool: WorkerPool) -> None:
-    handle = pool.launch("w1", f"{T}:ok", b"{}", timeout=LIMIT)
+def test_success_and_handle_bookkeeping(pool: WorkerPool, flavour: str) -> None:
+    handle = pool.launch("w1", tgt(flavour, "ok"), b"{}", timeout=LIMIT)
     assert handle.pid > 0 and handle.worker_id == "w1" and handle.state == "running"
     assert handle.deadline == pytest.approx(handle.started + LIMIT)
     assert pool.running() == [handle] and handle.sentinel in pool.sentinels()
@@ -127,8 +139,10 @@ def test_success_and_handle_bookkeeping(pool: WorkerPool) -> None:
         ("no_such_function", {}, ExitCode.BAD_CONTEXT),
     ],
 )
-def test_exit_codes(pool: WorkerPool, target: str, args: dict[str, Any], expected: int) -> None:
-    pool.launch("w", f"{T}:{target}", payload(**args), timeout=LIMIT)
+def test_exit_codes(
+    pool: WorkerPool, flavour: str, target: str, args: dict[str, Any], expected: int
+) -> None:
+    pool.launch("w", tgt(flavour, target), payload(**args), timeout=LIMIT)
     ex = drive(pool, {"w"})["w"]
     assert (ex.exitcode, ex.signal, ex.timed_out) == (expected, None, False)
 
@@ -138,11 +152,11 @@ def test_unimportable_target_module_is_bad_context(pool: WorkerPool) -> None:
     assert drive(pool, {"w"})["w"].exitcode == ExitCode.BAD_CONTEXT
 
 
-def test_failure_report_names_type_not_payload() -> None:
+def test_failure_report_names_type_not_payload(flavour: str) -> None:
     """Uncaught exception: exit 1, stderr names the type, never the payload or message."""
     code = (
         "from apsup.workers.child import main; "
-        f"main('{T}:raise_error', b'{{\"secret\": \"TOPSECRET-123\"}}')"
+        f"main('{tgt(flavour, 'raise_error')}', b'{{\"secret\": \"TOPSECRET-123\"}}')"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=60
@@ -153,12 +167,12 @@ def test_failure_report_names_type_not_payload() -> None:
 
 
 def test_worker_has_own_process_group_session_and_random_state(
-    pool: WorkerPool, tmp_path: Path
+    pool: WorkerPool, tmp_path: Path, flavour: str
 ) -> None:
     out = tmp_path / "ids"
     ids = {f"w{i}" for i in range(4)}
     for wid in ids:
-        pool.launch(wid, f"{T}:report_identity", payload(path=str(out)), timeout=LIMIT)
+        pool.launch(wid, tgt(flavour, "report_identity"), payload(path=str(out)), timeout=LIMIT)
     assert {e.exitcode for e in drive(pool, ids).values()} == {0}
     rows = [line.split() for line in lines(out)]
     assert len(rows) == 4
@@ -171,18 +185,32 @@ def test_worker_has_own_process_group_session_and_random_state(
 # --- timeouts and termination --------------------------------------------------------------------
 
 
-def test_timeout_terminates_gracefully_and_finally_runs(pool: WorkerPool, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("flavour", "target"),
+    [
+        ("sync", "sleep_with_finally"),
+        ("async", "sleep_with_finally"),  # suspended in an await: the task is cancelled
+        ("async", "blocking_sleep_with_finally"),  # blocking inside the coroutine: raised there
+    ],
+)
+def test_timeout_terminates_gracefully_and_finally_runs(
+    pool: WorkerPool, tmp_path: Path, flavour: str, target: str
+) -> None:
     marker = tmp_path / "m"
-    h = pool.launch("w", f"{T}:sleep_with_finally", payload(path=str(marker), seconds=120), LIMIT)
+    h = pool.launch("w", tgt(flavour, target), payload(path=str(marker), seconds=120), LIMIT)
     wait_until(lambda: lines(marker) == ["started"], "worker start")
     ex = drive(pool, {"w"}, skew=skew_to_deadline(h))["w"]
     assert ex.timed_out and ex.exitcode == ExitCode.TERMINATED and ex.signal is None
     assert lines(marker) == ["started", "finally"]
 
 
-def test_sigterm_ignoring_worker_is_killed_after_grace(pool: WorkerPool, tmp_path: Path) -> None:
+def test_sigterm_ignoring_worker_is_killed_after_grace(
+    pool: WorkerPool, tmp_path: Path, flavour: str
+) -> None:
     marker = tmp_path / "m"
-    handle = pool.launch("w", f"{T}:ignore_sigterm", payload(path=str(marker), seconds=120), LIMIT)
+    handle = pool.launch(
+        "w", tgt(flavour, "ignore_sigterm"), payload(path=str(marker), seconds=120), LIMIT
+    )
     wait_until(lambda: lines(marker) == ["started"], "worker start")
     skew = skew_to_deadline(handle)
     states: set[str] = set()
@@ -202,9 +230,13 @@ def test_sigterm_ignoring_worker_is_killed_after_grace(pool: WorkerPool, tmp_pat
     assert pool.running() == []
 
 
-def test_second_sigterm_exits_immediately_with_143(pool: WorkerPool, tmp_path: Path) -> None:
+def test_second_sigterm_exits_immediately_with_143(
+    pool: WorkerPool, tmp_path: Path, flavour: str
+) -> None:
     marker = tmp_path / "m"
-    handle = pool.launch("w", f"{T}:slow_cleanup", payload(path=str(marker), seconds=120), LIMIT)
+    handle = pool.launch(
+        "w", tgt(flavour, "slow_cleanup"), payload(path=str(marker), seconds=120), LIMIT
+    )
     wait_until(lambda: lines(marker) == ["started"], "worker start")
     os.kill(handle.pid, signal.SIGTERM)
     wait_until(lambda: lines(marker) == ["started", "cleanup"], "graceful cleanup to begin")
@@ -215,11 +247,11 @@ def test_second_sigterm_exits_immediately_with_143(pool: WorkerPool, tmp_path: P
 
 @pytest.mark.parametrize("child_ignores_sigterm", [False, True])
 def test_timeout_kills_grandchildren_too(
-    pool: WorkerPool, tmp_path: Path, child_ignores_sigterm: bool
+    pool: WorkerPool, tmp_path: Path, child_ignores_sigterm: bool, flavour: str
 ) -> None:
     marker = tmp_path / "m"
     args = payload(path=str(marker), seconds=120, child_ignores_sigterm=child_ignores_sigterm)
-    h = pool.launch("w", f"{T}:spawn_grandchild", args, LIMIT)
+    h = pool.launch("w", tgt(flavour, "spawn_grandchild"), args, LIMIT)
     wait_until(lambda: len(lines(marker)) == 2, "worker and grandchild ready")
     (grandchild,) = (int(x.split()[1]) for x in lines(marker) if x.startswith("grandchild"))
     assert not is_dead(grandchild)
@@ -232,12 +264,14 @@ def test_timeout_kills_grandchildren_too(
     wait_until(lambda: is_dead(grandchild), "grandchild death")
 
 
-def test_sigint_does_not_kill_workers_or_forkserver(pool: WorkerPool, tmp_path: Path) -> None:
+def test_sigint_does_not_kill_workers_or_forkserver(
+    pool: WorkerPool, tmp_path: Path, flavour: str
+) -> None:
     """Ctrl-C reaches the host's process group; Workers (own session) and the forkserver ignore
     SIGINT even when it is sent to them directly, and the Worker finishes normally."""
     marker = tmp_path / "m"
     handle = pool.launch(
-        "w", f"{T}:sleep_then_finish", payload(path=str(marker), seconds=3.0), LIMIT
+        "w", tgt(flavour, "sleep_then_finish"), payload(path=str(marker), seconds=3.0), LIMIT
     )
     wait_until(lambda: lines(marker) == ["started"], "worker start")
     fs_pid = pool.forkserver_pid
@@ -254,11 +288,14 @@ def test_sigint_does_not_kill_workers_or_forkserver(pool: WorkerPool, tmp_path: 
     assert drive(pool, {"w2"})["w2"].exitcode == 0
 
 
-def test_terminate_all_stops_every_group_and_confirms(pool: WorkerPool, tmp_path: Path) -> None:
+def test_terminate_all_stops_every_group_and_confirms(
+    pool: WorkerPool, tmp_path: Path, flavour: str
+) -> None:
     markers = {wid: tmp_path / wid for wid in ("a", "b", "c")}
-    pool.launch("a", f"{T}:sleep_with_finally", payload(path=str(markers["a"]), seconds=120), 60)
-    pool.launch("b", f"{T}:sleep_with_finally", payload(path=str(markers["b"]), seconds=120), 60)
-    pool.launch("c", f"{T}:ignore_sigterm", payload(path=str(markers["c"]), seconds=120), 60)
+    sleeper, ignorer = tgt(flavour, "sleep_with_finally"), tgt(flavour, "ignore_sigterm")
+    pool.launch("a", sleeper, payload(path=str(markers["a"]), seconds=120), 60)
+    pool.launch("b", sleeper, payload(path=str(markers["b"]), seconds=120), 60)
+    pool.launch("c", ignorer, payload(path=str(markers["c"]), seconds=120), 60)
     for m in markers.values():
         wait_until(started(m), "worker start")
     exits = {e.worker_id: e for e in pool.terminate_all(grace=GRACE)}

@@ -7,6 +7,7 @@ Payloads are orjson objects; ``path`` names a marker file the test reads back.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
@@ -141,3 +142,105 @@ def spawn_grandchild(payload: bytes) -> int:
 def hard_exit(payload: bytes) -> int:
     """Bypasses the bootstrap's exit-code rules, like a crashing C extension would."""
     os._exit(int(_args(payload)["code"]))
+
+
+# --- async twins (``a_<name>``): the same behaviour as ``async def`` targets ---------------------
+# They await where the sync ones block, so a SIGTERM finds them suspended in the event loop.
+
+
+async def a_ok(payload: bytes) -> int:
+    await asyncio.sleep(0)
+    return 0
+
+
+async def a_exit_with(payload: bytes) -> int:
+    await asyncio.sleep(0)
+    return int(_args(payload)["code"])
+
+
+async def a_return_value(payload: bytes) -> Any:
+    await asyncio.sleep(0)
+    return _args(payload)["value"]
+
+
+async def a_sys_exit(payload: bytes) -> int:
+    await asyncio.sleep(0)
+    sys.exit(int(_args(payload)["code"]))
+
+
+async def a_raise_error(payload: bytes) -> int:
+    await asyncio.sleep(0)
+    raise RuntimeError(f"processing failed for {_args(payload)['secret']}")
+
+
+async def a_raise_stale(payload: bytes) -> int:
+    await asyncio.sleep(0)
+    raise StaleTermError("term moved on")
+
+
+async def a_raise_conflict(payload: bytes) -> int:
+    await asyncio.sleep(0)
+    raise ProgressConflict("cursor moved")
+
+
+async def a_raise_context(payload: bytes) -> int:
+    await asyncio.sleep(0)
+    raise ContextError(f"bad context {payload!r}")
+
+
+async def a_report_identity(payload: bytes) -> int:
+    await asyncio.sleep(0)
+    return report_identity(payload)
+
+
+async def a_sleep_with_finally(payload: bytes) -> int:
+    args = _args(payload)
+    _write(args["path"], "started")
+    try:
+        await asyncio.sleep(args["seconds"])
+    finally:
+        _write(args["path"], "finally")
+    return 0
+
+
+async def a_sleep_then_finish(payload: bytes) -> int:
+    args = _args(payload)
+    _write(args["path"], "started")
+    await asyncio.sleep(args["seconds"])
+    _write(args["path"], "done")
+    return 0
+
+
+async def a_ignore_sigterm(payload: bytes) -> int:
+    args = _args(payload)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _write(args["path"], "started")
+    await asyncio.sleep(args["seconds"])
+    return 0
+
+
+async def a_slow_cleanup(payload: bytes) -> int:
+    args = _args(payload)
+    _write(args["path"], "started")
+    try:
+        await asyncio.sleep(args["seconds"])
+    finally:
+        _write(args["path"], "cleanup")
+        await asyncio.sleep(args["seconds"])
+    return 0
+
+
+async def a_blocking_sleep_with_finally(payload: bytes) -> int:
+    """Blocks the loop (sync code inside a coroutine): SIGTERM interrupts it right there."""
+    args = _args(payload)
+    _write(args["path"], "started")
+    try:
+        time.sleep(args["seconds"])
+    finally:
+        _write(args["path"], "finally")
+    return 0
+
+
+async def a_spawn_grandchild(payload: bytes) -> int:
+    await asyncio.sleep(0)
+    return spawn_grandchild(payload)

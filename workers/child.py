@@ -12,7 +12,9 @@ What ``main`` does, in order, and why:
 3. SIGTERM: the first one raises :class:`WorkerTerminated` in the main thread so ``finally``
    blocks and context managers roll back; a second one exits at once with 143.
 4. ``random`` is reseeded (all children fork from the same forkserver image).
-5. ``target`` is imported and called with ``payload``; its int return is the exit code.
+5. ``target`` is imported and called with ``payload``; its int return is the exit code. An
+   ``async def`` target (and an async processor, through :func:`run_coroutine`) runs to
+   completion in this process's own event loop, created on first use, never in the forkserver.
 
 Failures are reported on stderr by exception *type* and code location only, never by message:
 messages can quote payload contents (scope ids, tokens, user data).
@@ -20,8 +22,10 @@ messages can quote payload contents (scope ids, tokens, user data).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib
+import inspect
 import os
 import random
 import signal
@@ -29,12 +33,13 @@ import sys
 import traceback
 from collections.abc import Callable
 from types import FrameType
-from typing import NoReturn
+from typing import Any, NoReturn, TypeVar
 
 from apsup.errors import ContextError, ProgressConflict, StaleTermError
 from apsup.workers.exit_codes import MAX_TARGET_EXIT_CODE, ExitCode
 
-Target = Callable[[bytes], int]
+Target = Callable[[bytes], Any]
+T = TypeVar("T")
 
 
 class WorkerTerminated(BaseException):
@@ -49,6 +54,10 @@ class WorkerTerminated(BaseException):
 # into TERMINATED, so the handler exits with the target's own code instead.
 _finished_code: int | None = None
 _sigterms = 0
+# The Worker's one event loop (created on first use) and the task run_coroutine is driving.
+_loop: asyncio.AbstractEventLoop | None = None
+_main_task: asyncio.Task[Any] | None = None
+_cancelled_by_sigterm = False
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -58,7 +67,62 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
         _exit(_finished_code)
     if _sigterms > 1:
         _exit(ExitCode.FORCED_EXIT)
+    if _cancel_main_task():
+        return
     raise WorkerTerminated
+
+
+def _cancel_main_task() -> bool:
+    """First SIGTERM while a coroutine runs: cancel it unless its own code is executing.
+
+    While the coroutine awaits, the main thread is inside the event loop's machinery, where an
+    exception would escape the loop (or be swallowed by a callback's error handler) instead of
+    reaching the coroutine: the task is cancelled instead, so its ``finally`` and ``async with``
+    blocks run at the await they are suspended in. While the coroutine's own (blocking) code
+    runs, ``WorkerTerminated`` is raised right there, exactly as in a sync processor.
+    """
+    global _cancelled_by_sigterm
+    loop, task = _loop, _main_task
+    if loop is None or task is None or task.done():
+        return False
+    if asyncio.current_task(loop) is task:
+        return False
+    _cancelled_by_sigterm = True
+    loop.call_soon_threadsafe(task.cancel)
+    return True
+
+
+async def _await(awaitable: Any) -> Any:
+    return await awaitable
+
+
+def run_coroutine(awaitable: Any) -> Any:
+    """Run ``awaitable`` to completion in this Worker's event loop and return its result.
+
+    One loop per Worker process, created here on first use (the forkserver never has one: a
+    loop's self-pipe and any executor thread must not be forked). A first SIGTERM cancels the
+    coroutine (see :func:`_cancel_main_task`) and surfaces as ``WorkerTerminated`` even if the
+    coroutine swallowed the cancellation: a stopped invocation never counts as a success.
+    """
+    global _loop, _main_task
+    if _main_task is not None:
+        raise RuntimeError("run_coroutine() is not reentrant")
+    if _loop is None:
+        _loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(_loop)
+    task = _loop.create_task(_await(awaitable))
+    _main_task = task
+    try:
+        result = _loop.run_until_complete(task)
+    except asyncio.CancelledError:
+        if _cancelled_by_sigterm:
+            raise WorkerTerminated from None
+        raise
+    finally:
+        _main_task = None
+    if _cancelled_by_sigterm:
+        raise WorkerTerminated
+    return result
 
 
 def _exit(code: int) -> NoReturn:
@@ -107,6 +171,8 @@ def run(target: str, payload: bytes) -> int:
         return ExitCode.BAD_CONTEXT
     try:
         result = fn(payload)
+        if inspect.isawaitable(result):  # ``async def`` target: run it, never drop it
+            result = run_coroutine(result)
     except WorkerTerminated:
         return ExitCode.TERMINATED
     except StaleTermError:

@@ -3,18 +3,24 @@
 Input is only the serialized ExecutionContext. The wrapper rebuilds what it needs from it,
 skips duplicate invocations (handled >= G consumes no new input, RFC §5), runs the processor
 and, when the processor returned without acknowledging, acknowledges in a final fenced
-transaction. The exit code tells the Supervisor what happened; the Supervisor still verifies the
-durable acknowledgment itself before counting an exit 0 as success.
+transaction. An ``async def`` processor runs to completion in the Worker's own event loop before
+that acknowledgment; so does any awaitable a plain processor returns (a sync wrapper around a
+coroutine): an un-awaited coroutine would otherwise be acknowledged without ever running.
+The exit code tells the Supervisor what happened; the Supervisor still verifies the durable
+acknowledgment itself before counting an exit 0 as success.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
+from typing import Any
 
-from apsup.context import ExecutionContext, release_before_exit
+from apsup.context import ExecutionContext, dispose_async_backends, release_before_exit
 from apsup.errors import ConfigError, ContextError, ProgressConflict, StaleTermError
 from apsup.registry import resolve_entry_point
+from apsup.workers.child import run_coroutine
 from apsup.workers.exit_codes import ExitCode
 
 TARGET = "apsup.workers.invoke:run"
@@ -23,6 +29,15 @@ TARGET = "apsup.workers.invoke:run"
 def _say(kind: str, exc: BaseException) -> None:
     # Only the exception type: a message may quote Source text, prompts or a DSN (RFC §12).
     print(f"apsup worker: {kind}: {type(exc).__name__}", file=sys.stderr, flush=True)
+
+
+async def _run_async(processing: Any) -> None:
+    """Await the processor, then close this loop's async connections while the loop still runs
+    (aiosqlite threads and aiomysql sockets belong to it)."""
+    try:
+        await processing
+    finally:
+        await dispose_async_backends()
 
 
 def run(payload: bytes) -> int:
@@ -36,7 +51,9 @@ def run(payload: bytes) -> int:
         fam = resolve_entry_point(ctx.entry_point)
         if ctx.already_handled():
             return ExitCode.SUCCESS
-        fam.processor(ctx.scope_id, ctx)
+        result = fam.processor(ctx.scope_id, ctx)
+        if inspect.isawaitable(result):
+            run_coroutine(_run_async(result))
         if not ctx.acknowledged:
             with ctx.fenced() as conn:
                 ctx.acknowledge(conn)
