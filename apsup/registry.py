@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -19,10 +20,11 @@ from apsup.policy import Cron, Disabled, Interval, Policy
 
 if TYPE_CHECKING:
     from sqlalchemy import Connection
+    from sqlalchemy.ext.asyncio import AsyncConnection
 
     from apsup.context import ExecutionContext
 
-Processor = Callable[[str, "ExecutionContext"], None]
+Processor = Callable[[str, "ExecutionContext"], Any]  # None, or a coroutine for async def
 #: A reconciler rebuilds dirty state from bounded domain facts: called repeatedly with the
 #: connection, the family and the previous page token (None first); returns the next token or
 #: None when done. It may call ``family.mark_dirty`` but never ``request`` (RFC §11).
@@ -80,6 +82,14 @@ class Family:
         from apsup.store import intents
 
         return intents.request(conn, self.binding_name, scope_id)
+
+    async def mark_dirty_async(self, conn: AsyncConnection, scope_id: str) -> int:
+        """``mark_dirty`` in the caller's own async transaction (the same sync code, run on it)."""
+        return int(await conn.run_sync(self.mark_dirty, scope_id))
+
+    async def request_async(self, conn: AsyncConnection, scope_id: str) -> int:
+        """``request`` in the caller's own async transaction (the same sync code, run on it)."""
+        return int(await conn.run_sync(self.request, scope_id))
 
     # -- reconciliation ------------------------------------------------------------------------
     def reconciler(self, fn: Reconciler) -> Reconciler:
@@ -231,6 +241,33 @@ def resolve_entry_point(entry_point: str, expect: Family | None = None) -> Famil
 default_registry = Registry()
 
 
+def _check_processor(name: str, fn: Any) -> None:
+    """Only a plain function or an ``async def`` function: a Worker imports it by name and runs
+    it to completion; anything else would be dropped unrun, run as something else, or rebuilt
+    from import-time state in every Worker."""
+    if inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
+        kind = "an async generator" if inspect.isasyncgenfunction(fn) else "a generator"
+        change = "return instead of yield (a Worker would never iterate it)"
+    elif inspect.isclass(fn):
+        kind, change = "a class", "decorate a module-level function that uses the class"
+    elif inspect.ismethod(fn):
+        kind = "a bound method"
+        change = (
+            "decorate a module-level function; build the object it needs inside the "
+            "processor (an instance built at import time is the forkserver's copy)"
+        )
+    elif inspect.isfunction(fn):
+        return
+    elif callable(fn):
+        kind, change = f"a callable {type(fn).__name__} object", "decorate a def or async def"
+    else:
+        kind, change = f"a {type(fn).__name__}", "decorate a def or async def"
+    raise ConfigError(
+        f"family {name!r}: the processor is {kind}, not a plain function or async def "
+        f"function; {change}"
+    )
+
+
 def family(
     name: str,
     *,
@@ -266,8 +303,7 @@ def family(
     target = default_registry if registry is None else registry
 
     def decorate(fn: Processor) -> Family:
-        if not callable(fn):
-            raise ConfigError(f"family {name!r}: @family must decorate a function")
+        _check_processor(name, fn)
         fam = Family(
             name=name,
             binding_name=binding_name,
