@@ -36,10 +36,15 @@ partfail   commit the first unconsumed input in its own transaction; attempt 1 t
 half       consume half (rounded up) of the unconsumed inputs; mark clean only when none remain
 ordered    consume the first unconsumed input, in order; an input ``poison`` always fails
 =========  ========================================================================================
+
+``acc-manual-async`` and ``acc-b-async`` are ``async def`` twins of ``acc-manual`` and ``acc-b``
+(:func:`behave_async`): they await where ``behave`` blocks and commit through
+``ctx.fenced_async()``, so tests can run the same scenario over sync and async processors.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import signal
@@ -133,6 +138,16 @@ def acc_c(scope_id: str, ctx: ExecutionContext) -> None:
 @family("acc-manual", max_workers=2, timeout=30, registry=registry)
 def acc_manual(scope_id: str, ctx: ExecutionContext) -> None:
     behave(scope_id, ctx)
+
+
+@family("acc-manual-async", max_workers=2, timeout=30, registry=registry)
+async def acc_manual_async(scope_id: str, ctx: ExecutionContext) -> None:
+    await behave_async(scope_id, ctx)
+
+
+@family("acc-b-async", interval=1, max_workers=2, timeout=30, registry=registry)
+async def acc_b_async(scope_id: str, ctx: ExecutionContext) -> None:
+    await behave_async(scope_id, ctx)
 
 
 BY_NAME: dict[str, Family] = {f.name: f for f in registry}
@@ -402,3 +417,35 @@ def _first_attempt_misbehaves(kind: str, ctx: ExecutionContext, event_id: int) -
     elif kind == "soft":
         time.sleep(LONG_SLEEP)
     raise AssertionError("unreachable: the first attempt should not return")
+
+
+async def behave_async(scope_id: str, ctx: ExecutionContext) -> None:
+    """``behave`` as a coroutine for the kinds the sync/async parity tests use; the start and
+    note records stay sync (they are test bookkeeping, not the path under test)."""
+    kind = scope_id.split(".", 1)[0]
+    event_id, attempt, dirty = _start(scope_id, ctx)
+    sleep = float(os.environ.get("ACC_SLEEP", "0") or 0)
+    if kind in ("ok", "keep") or (
+        kind in ("crash", "exit1", "noack", "hang", "soft") and attempt > 1
+    ):
+        await asyncio.sleep(sleep)  # compute outside any transaction
+        async with ctx.fenced_async() as conn:
+            if kind != "keep":
+                await ctx.mark_clean_async(conn, dirty)
+            await ctx.acknowledge_async(conn)
+            await conn.run_sync(_finish, event_id)
+    elif kind == "fail":
+        await asyncio.sleep(0)
+        _note(ctx, event_id, "fail")
+        raise RuntimeError("acceptance: this Scope always fails")
+    elif kind in ("crash", "exit1", "noack"):
+        await asyncio.sleep(0)
+        _first_attempt_misbehaves(kind, ctx, event_id)
+    elif kind in ("hang", "soft"):
+        _note(ctx, event_id, kind)
+        if kind == "hang":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        await asyncio.sleep(LONG_SLEEP)
+        raise AssertionError("unreachable: the first attempt should not return")
+    else:
+        raise ValueError(f"unknown async acceptance behaviour {kind!r} in scope {scope_id!r}")

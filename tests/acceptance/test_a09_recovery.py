@@ -24,6 +24,9 @@ from tests.acceptance.harness import (
 
 pytestmark = pytest.mark.timeout(180)
 
+# Scenarios marked with this run once with the sync test family and once with its async def twin.
+flavours = pytest.mark.parametrize("suffix", ["", "-async"], ids=["sync", "async"])
+
 
 def _idle(host, fam) -> bool:
     snap = host.snapshot()[fam.name]
@@ -55,8 +58,9 @@ def test_lost_notification_recovers_at_restart(hosts, store):
 
 
 @pytest.mark.backends("sqlite")
-def test_crashed_workers_are_retried(hosts, store):
-    fam = configure("acc-manual", disabled=True, max_workers=2)
+@flavours
+def test_crashed_workers_are_retried(hosts, store, suffix):
+    fam = configure(f"acc-manual{suffix}", disabled=True, max_workers=2)
     host = hosts.live_host([fam])
     request(store, fam, "crash.k")  # SIGKILLs itself on its first attempt
     request(store, fam, "exit1.e")  # os._exit(1) on its first attempt
@@ -73,10 +77,11 @@ def test_crashed_workers_are_retried(hosts, store):
 
 
 @pytest.mark.backends("sqlite")
-def test_timed_out_workers_are_stopped_then_retried_after_confirmed_exit(hosts, store):
+@flavours
+def test_timed_out_workers_are_stopped_then_retried_after_confirmed_exit(hosts, store, suffix):
     """Budget 1: capacity is released only once a timed-out Worker's exit is confirmed, so no
     invocation of this family ever starts while another of its Workers is alive."""
-    fam = configure("acc-b", disabled=True, max_workers=1, timeout=1.0)
+    fam = configure(f"acc-b{suffix}", disabled=True, max_workers=1, timeout=1.0)
     host = hosts.live_host([fam], grace_seconds=0.5)
     request(store, fam, "hang.h")  # ignores SIGTERM: needs the SIGKILL after the grace period
     request(store, fam, "soft.s")  # stops on SIGTERM
@@ -97,8 +102,9 @@ def test_timed_out_workers_are_stopped_then_retried_after_confirmed_exit(hosts, 
     assert host.supervisor.failed[fam.name] == 2
 
 
-def test_exit_zero_without_acknowledgment_is_a_failure(hosts, store):
-    fam = configure("acc-manual", disabled=True, max_workers=1)
+@flavours
+def test_exit_zero_without_acknowledgment_is_a_failure(hosts, store, suffix):
+    fam = configure(f"acc-manual{suffix}", disabled=True, max_workers=1)
     host = hosts.live_host([fam])
     request(store, fam, "noack.n")
     host.run_until(lambda: handled(store, fam, "noack.n"), "the retry acknowledges")
