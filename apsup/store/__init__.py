@@ -59,6 +59,12 @@ def worker_preload(url: str) -> list[str]:
     modules = [f"apsup.store.{kind}", dialect.__module__]
     with contextlib.suppress(ImportError):  # a missing driver: open_backend reports it
         modules.append(dialect.import_dbapi().__name__)
+    # ``fenced_async()`` (async processors): imports only, ~150 ms per Worker otherwise. No loop,
+    # connection or thread is created by importing them; those are made in each Worker.
+    from apsup.store.async_engine import async_url
+
+    drivers = {"sqlite": "aiosqlite", "mysql": "aiomysql"}
+    modules += ["apsup.store.async_engine", async_url(url).get_dialect().__module__, drivers[kind]]
     return modules
 
 
