@@ -23,6 +23,10 @@ the write transaction), which is where the supervised time goes.
     .venv/bin/python benchmarks/dispatch.py [--requests N] [--budget S] [--rounds R] [--profile]
 
 ``--profile`` adds a cProfile of the host loop for one supervised run.
+
+The same supervised run also goes through an ``async def`` no-op family (the Worker runs it in
+its own event loop, then the wrapper acknowledges): its Worker-slot time over the sync family's
+is the async path's cost (target <= 1.2 at 2 and 8 Workers).
 """
 
 from __future__ import annotations
@@ -55,6 +59,11 @@ registry = Registry()
 
 @family("bench-noop", max_workers=2, timeout=60, registry=registry)
 def noop(scope_id, ctx):
+    return None
+
+
+@family("bench-noop-async", max_workers=2, timeout=60, registry=registry)
+async def noop_async(scope_id, ctx):
     return None
 
 
@@ -115,6 +124,7 @@ def phase_probe(payload):
 RAW = "raw WorkerPool launch+exit"
 FLOOR = "floor: launch + stdlib fenced ack"
 SUPERVISED = "Supervisor (no-op family)"
+ASYNC_SUPERVISED = "Supervisor (async no-op family)"
 
 
 @dataclass
@@ -235,12 +245,12 @@ def floor_launches(url: str, n: int, concurrency: int, budget: float) -> Run:
     return Run(FLOOR, concurrency, done - failed, wall)
 
 
-def prepare_db(folder: Path, name: str, n: int) -> str:
+def prepare_db(folder: Path, name: str, n: int, processor: str = "noop") -> str:
     from apsup.store import migrate, open_backend
 
     url = f"sqlite:///{folder / name}"
     migrate(url)
-    fam = importlib.import_module(FAMILY_MODULE).noop
+    fam = getattr(importlib.import_module(FAMILY_MODULE), processor)
     backend = open_backend(url)
     try:
         with backend.transaction() as conn:
@@ -251,11 +261,19 @@ def prepare_db(folder: Path, name: str, n: int) -> str:
     return url
 
 
-def supervised(url: str, n: int, concurrency: int, budget: float, profile: bool = False) -> Run:
+def supervised(
+    url: str,
+    n: int,
+    concurrency: int,
+    budget: float,
+    profile: bool = False,
+    processor: str = "noop",
+) -> Run:
     """A real host on ``url`` (``n`` requests accepted) until all are handled (or ``budget``)."""
     from apsup.supervisor.launcher import build_host
 
-    fam = importlib.import_module(FAMILY_MODULE).noop.with_overrides(max_workers=concurrency)
+    base = getattr(importlib.import_module(FAMILY_MODULE), processor)
+    fam = base.with_overrides(max_workers=concurrency)
     bundle = build_host(url, [fam], shutdown_grace=5.0)
     host = bundle.host
     sup = host.supervisors[0]
@@ -283,7 +301,9 @@ def supervised(url: str, n: int, concurrency: int, budget: float, profile: bool 
         pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(15)
         print(f"\n--- host loop profile, {concurrency} Workers, {count} invocations ---")
         print(out.getvalue())
-    return Run(SUPERVISED, concurrency, count, wall)
+    return Run(
+        ASYNC_SUPERVISED if processor == "noop_async" else SUPERVISED, concurrency, count, wall
+    )
 
 
 def worker_phases(folder: Path, url: str, samples: int = 25) -> dict[str, float]:
@@ -320,10 +340,16 @@ def main(argv: list[str] | None = None) -> int:
             for concurrency in (2, 8):
                 url = prepare_db(folder, f"r{round_no}-c{concurrency}.db", args.requests)
                 floor_url = prepare_db(folder, f"f{round_no}-c{concurrency}.db", args.requests)
+                async_url = prepare_db(
+                    folder, f"a{round_no}-c{concurrency}.db", args.requests, "noop_async"
+                )
                 for run in (
                     raw_launches(url, args.requests, concurrency, args.budget),
                     floor_launches(floor_url, args.requests, concurrency, args.budget),
                     supervised(url, args.requests, concurrency, args.budget),
+                    supervised(
+                        async_url, args.requests, concurrency, args.budget, processor="noop_async"
+                    ),
                 ):
                     key = (run.label, concurrency)
                     if key not in best or run.slot_ms < best[key].slot_ms:
@@ -339,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     print(header)
     print("-" * len(header))
     for concurrency in (2, 8):
-        for label in (RAW, FLOOR, SUPERVISED):
+        for label in (RAW, FLOOR, SUPERVISED, ASYNC_SUPERVISED):
             run = best[(label, concurrency)]
             print(
                 f"{run.label:<34}{run.concurrency:>8}{run.count:>7}{run.per_second:>9.1f}"
@@ -360,6 +386,15 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"  floor/raw {floor.slot_ms / raw.slot_ms:.2f} (the best any Supervisor can reach), "
             f"supervised/floor {sup.slot_ms / floor.slot_ms:.2f} (the Supervisor's own share)"
+        )
+    for concurrency in (2, 8):
+        sync_run = best[(SUPERVISED, concurrency)]
+        async_run = best[(ASYNC_SUPERVISED, concurrency)]
+        ratio = async_run.slot_ms / sync_run.slot_ms
+        verdict = "ok" if ratio <= 1.2 else "ABOVE the 1.2 target"
+        print(
+            f"async/sync Worker-slot time at {concurrency} Workers: {ratio:.2f} "
+            f"({async_run.slot_ms:.1f} ms async vs {sync_run.slot_ms:.1f} ms sync)  {verdict}"
         )
     print("\nDatabase steps of one invocation inside a Worker child (median ms):")
     for name, value in phases.items():

@@ -9,7 +9,9 @@ its check are the sync tests' (tests/_contract_fencing.py):
 - the deterministic interleaving: while the async fence is open (its event loop idle), the bump
   waits; the fenced commit lands first, and the same term is then rejected;
 - the stale-before-entry case: a term bumped before ``fenced_async()`` commits nothing, at the
-  ``AsyncStore`` level and through ``ExecutionContext.fenced_async``.
+  ``AsyncStore`` level and through ``ExecutionContext.fenced_async``;
+- the paused Worker: a coroutine that checked its term in one ``fenced_async()`` and is
+  suspended while the term is bumped cannot commit a write or an acknowledgment afterwards.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ import pytest
 
 from apsup.context import ExecutionContext, dispose_async_backends
 from apsup.errors import StaleTermError
+from apsup.store import intents
 from apsup.store.async_engine import AsyncStore, async_url
 from apsup.store.base import SqlBackend
+from apsup.store.leases import Term
 from tests import _contract_fencing as fj
 from tests import _contract_fencing_async as fja
 from tests.test_fencing_race import _blocked_on_lease_update, _initial_term, _join, _results
@@ -142,22 +146,71 @@ def test_bump_waits_for_an_open_async_fenced_transaction(store: SqlBackend, db_u
     assert fj.fencing_violations(entries) == []
 
 
-def test_term_bumped_before_entry_commits_nothing(store: SqlBackend) -> None:
-    term = _initial_term(store)
-    newer = fj.bump(store, "holder-1")
-    ctx = ExecutionContext(
+def _ctx(store: SqlBackend, term: Term) -> ExecutionContext:
+    """A Worker's context for a real accepted request of binding ``b``."""
+    generation = store.run(lambda conn: intents.request(conn, "b", "s"))
+    with store.read() as conn:
+        row = intents.get(conn, "b", "s")
+    assert row is not None
+    return ExecutionContext(
         binding_name="b",
         artifact_family="f",
         scope_id="s",
-        claimed_request_generation=1,
+        claimed_request_generation=generation,
         supervisor_key=term.supervisor_key,
         holder_id=term.holder_id,
         supervisor_generation=term.generation,
         worker_id="w",
-        pending_sequence=1,
+        pending_sequence=row.pending_sequence,
         entry_point="m:f",
         database_url=store.url,
     )
+
+
+def _handled(store: SqlBackend) -> int:
+    with store.read() as conn:
+        row = intents.get(conn, "b", "s")
+    return 0 if row is None else row.handled_generation
+
+
+def test_paused_worker_cannot_commit_after_a_bump(store: SqlBackend) -> None:
+    term = _initial_term(store)
+    ctx = _ctx(store, term)
+    resumed = asyncio.Event()
+
+    async def worker() -> list[str]:
+        outcome: list[str] = []
+        async with ctx.fenced_async() as conn:  # the check: the term is valid now
+            outcome.append(f"checked dirty={await ctx.dirty_generation_async(conn)}")
+        await resumed.wait()  # ... suspended here while the term is bumped ...
+        try:
+            async with ctx.fenced_async() as conn:
+                await conn.run_sync(fj.stamp, "commit", term)
+                await ctx.acknowledge_async(conn)
+        except StaleTermError:
+            outcome.append("stale")
+        return outcome
+
+    async def scenario() -> list[str]:
+        task = asyncio.create_task(worker())
+        await asyncio.sleep(0.2)
+        newer = await asyncio.to_thread(fj.bump, store, "holder-1")
+        assert newer.generation > term.generation
+        resumed.set()
+        try:
+            return await task
+        finally:
+            await dispose_async_backends()
+
+    assert asyncio.run(scenario()) == ["checked dirty=0", "stale"]
+    assert [e.kind for e in fj.read_journal(store)] == ["bump"]  # nothing written
+    assert not ctx.acknowledged and _handled(store) == 0
+
+
+def test_term_bumped_before_entry_commits_nothing(store: SqlBackend) -> None:
+    term = _initial_term(store)
+    ctx = _ctx(store, term)
+    newer = fj.bump(store, "holder-1")
 
     async def attempts() -> list[str]:
         ran: list[str] = []
@@ -179,7 +232,7 @@ def test_term_bumped_before_entry_commits_nothing(store: SqlBackend) -> None:
         return ran
 
     assert asyncio.run(attempts()) == []
-    assert not ctx.acknowledged
+    assert not ctx.acknowledged and _handled(store) == 0
     entries = fj.read_journal(store)
     assert [(e.kind, e.generation) for e in entries] == [
         ("bump", term.generation),
