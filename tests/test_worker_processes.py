@@ -514,3 +514,32 @@ def test_pool_cannot_be_inherited_across_fork(pool: WorkerPool) -> None:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+# --- async specifics -----------------------------------------------------------------------------
+
+
+def test_async_target_that_swallows_the_cancellation_is_still_terminated(
+    pool: WorkerPool, tmp_path: Path
+) -> None:
+    """A stopped invocation never counts as a success, even if the coroutine catches the
+    cancellation that the first SIGTERM caused and returns normally."""
+    marker = tmp_path / "m"
+    h = pool.launch("w", f"{T}:a_swallow_cancel", payload(path=str(marker), seconds=120), LIMIT)
+    wait_until(lambda: lines(marker) == ["started"], "worker start")
+    ex = drive(pool, {"w"}, skew=skew_to_deadline(h))["w"]
+    assert (ex.exitcode, ex.timed_out) == (ExitCode.TERMINATED, True)
+    assert lines(marker) == ["started", "swallowed"]
+
+
+def test_forkserver_has_no_event_loop_even_with_async_drivers_preloaded(tmp_path: Path) -> None:
+    """The async drivers are preloaded as modules only: no loop (nor aiosqlite thread) exists
+    in the forkserver, so nothing of one is forked into Workers; each Worker makes its own."""
+    marker = tmp_path / "m"
+    preload = [T, "apsup.store.async_engine", "aiosqlite", "aiomysql", "apsup.workers.invoke"]
+    with WorkerPool(preload, grace_seconds=GRACE, confirm_seconds=1.0) as p:
+        p.launch("w", f"{T}:loop_state", payload(path=str(marker)), LIMIT)
+        assert drive(p, {"w"})["w"].exitcode == 0
+        p.launch("w2", f"{T}:a_ok", b"{}", LIMIT)  # and the Worker's own loop works
+        assert drive(p, {"w2"})["w2"].exitcode == 0
+    assert lines(marker) == ["inherited=False"]

@@ -244,3 +244,24 @@ async def a_blocking_sleep_with_finally(payload: bytes) -> int:
 async def a_spawn_grandchild(payload: bytes) -> int:
     await asyncio.sleep(0)
     return spawn_grandchild(payload)
+
+
+async def a_swallow_cancel(payload: bytes) -> int:
+    """Swallows the cancellation a first SIGTERM causes and returns 0 as if it had finished."""
+    args = _args(payload)
+    _write(args["path"], "started")
+    try:
+        await asyncio.sleep(args["seconds"])
+    except asyncio.CancelledError:
+        _write(args["path"], "swallowed")
+    return 0
+
+
+def loop_state(payload: bytes) -> int:
+    """Records whether this Worker inherited an event loop from the forkserver (it must not)."""
+    from apsup.workers import child
+
+    policy_loop = getattr(asyncio.get_event_loop_policy(), "_local", None)
+    inherited = child._loop is not None or getattr(policy_loop, "_loop", None) is not None
+    _write(_args(payload)["path"], f"inherited={inherited}")
+    return 0
