@@ -58,8 +58,9 @@ class Family:
     _hooks: dict[str, Any] = field(default_factory=dict, repr=False)
 
     # -- worker-facing ---------------------------------------------------------------------
-    def __call__(self, scope_id: str, ctx: ExecutionContext) -> None:
-        self.processor(scope_id, ctx)
+    def __call__(self, scope_id: str, ctx: ExecutionContext) -> Any:
+        """Call the processor; for an ``async def`` one this returns the coroutine to await."""
+        return self.processor(scope_id, ctx)
 
     @property
     def artifact_family(self) -> str:

@@ -10,7 +10,8 @@ What ``main`` does, in order, and why:
 2. SIGINT is ignored: Ctrl-C in the host's terminal must not kill Workers mid-transaction; the
    host stops them itself, in order.
 3. SIGTERM: the first one raises :class:`WorkerTerminated` in the main thread so ``finally``
-   blocks and context managers roll back; a second one exits at once with 143.
+   blocks and context managers roll back (a coroutine suspended in an ``await`` is cancelled
+   instead, with the same outcome); a second one exits at once with 143.
 4. ``random`` is reseeded (all children fork from the same forkserver image).
 5. ``target`` is imported and called with ``payload``; its int return is the exit code. An
    ``async def`` target (and an async processor, through :func:`run_coroutine`) runs to
@@ -33,13 +34,12 @@ import sys
 import traceback
 from collections.abc import Callable
 from types import FrameType
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn
 
 from apsup.errors import ContextError, ProgressConflict, StaleTermError
 from apsup.workers.exit_codes import MAX_TARGET_EXIT_CODE, ExitCode
 
 Target = Callable[[bytes], Any]
-T = TypeVar("T")
 
 
 class WorkerTerminated(BaseException):
