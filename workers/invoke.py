@@ -20,7 +20,6 @@ from typing import Any
 from apsup.context import ExecutionContext, dispose_async_backends, release_before_exit
 from apsup.errors import ConfigError, ContextError, ProgressConflict, StaleTermError
 from apsup.registry import resolve_entry_point
-from apsup.workers.child import run_coroutine
 from apsup.workers.exit_codes import ExitCode
 
 TARGET = "apsup.workers.invoke:run"
@@ -53,6 +52,8 @@ def run(payload: bytes) -> int:
             return ExitCode.SUCCESS
         result = fam.processor(ctx.scope_id, ctx)
         if inspect.isawaitable(result):
+            from apsup.workers.child import run_coroutine  # preloaded: no import cost here
+
             run_coroutine(_run_async(result))
         if not ctx.acknowledged:
             with ctx.fenced() as conn:
