@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from pathlib import Path
 
 from sqlalchemy.engine import make_url
@@ -63,8 +64,9 @@ def worker_preload(url: str) -> list[str]:
     # connection or thread is created by importing them; those are made in each Worker.
     from apsup.store.async_engine import async_url
 
-    drivers = {"sqlite": "aiosqlite", "mysql": "aiomysql"}
-    modules += ["apsup.store.async_engine", async_url(url).get_dialect().__module__, drivers[kind]]
+    driver = {"sqlite": "aiosqlite", "mysql": "aiomysql"}[kind]
+    if importlib.util.find_spec(driver) is not None:  # optional: only async processors need it
+        modules += ["apsup.store.async_engine", async_url(url).get_dialect().__module__, driver]
     return modules
 
 
