@@ -15,6 +15,7 @@ before the loop ends, and never create one in a process that will fork.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -29,6 +30,7 @@ from apsup.store.base import SqlBackend
 from apsup.store.leases import Term
 
 ASYNC_DRIVERS = {"sqlite": "sqlite+aiosqlite", "mysql": "mysql+aiomysql"}
+_DRIVERS = {"sqlite+aiosqlite": "aiosqlite", "mysql+aiomysql": "aiomysql"}
 #: A MySQL URL option the sync backend consumes itself; no driver understands it.
 _BACKEND_ONLY_PARAMS = ("apsup_fence_timeout",)
 
@@ -105,6 +107,11 @@ class AsyncStore:
     def __init__(self, backend: SqlBackend) -> None:
         self.backend = backend
         url = async_url(backend.engine.url)
+        if importlib.util.find_spec(_DRIVERS[url.drivername]) is None:
+            raise ConfigError(
+                f"fenced_async() needs the {_DRIVERS[url.drivername]} driver: "
+                f"pip install {_DRIVERS[url.drivername]}"
+            )
         self.engine: AsyncEngine
         if backend.name == "sqlite":
             self.engine = create_async_engine(
