@@ -10,7 +10,11 @@ family and what to change, and registers nothing.
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -97,3 +101,30 @@ def test_anything_else_is_refused_with_the_family_and_the_fix(
     assert message.startswith(f"family 'alpha': the processor is {kind}, not a plain function")
     assert change in message and "\n" not in message
     assert len(reg) == 0  # nothing registered
+
+
+def test_cli_reports_a_bad_processor_in_one_line_with_exit_2(tmp_path: Path) -> None:
+    (tmp_path / "apsup_bad_generator_family.py").write_text(
+        "from apsup import family\n\n\n"
+        "@family('bad-gen', interval=60)\n"
+        "def gen(scope_id, ctx):\n"
+        "    yield 1\n"
+    )
+    db = tmp_path / "apsup.db"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+        "POWERCONTEXT_SERVER_RUNTIME_DATABASE_URL": f"sqlite:///{db}",
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "apsup.cli", "check-config", "--app", "apsup_bad_generator_family"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert "family 'bad-gen': the processor is a generator" in line and "Traceback" not in line
+    assert not db.exists()  # nothing created
