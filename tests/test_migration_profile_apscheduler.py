@@ -109,7 +109,7 @@ def build_legacy(url: str) -> None:
 
 
 def test_fresh_database_is_a_noop(db_url: str) -> None:
-    migrate(db_url)
+    migrate(db_url, reference_families=True)
     backend = open_backend(db_url)
     try:
         with backend.read() as conn:
@@ -125,7 +125,7 @@ def test_fire_before_next_run() -> None:
     from apsup.store import migrations_dir
 
     spec = importlib.util.spec_from_file_location(
-        "m0004", migrations_dir() / "versions" / "0004_profile_from_apscheduler.py"
+        "m0004", migrations_dir() / "families" / "0004_profile_from_apscheduler.py"
     )
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
@@ -136,7 +136,7 @@ def test_fire_before_next_run() -> None:
 
 def test_latest_fire_policy_cursor_and_candidate_decide_work(db_url: str) -> None:
     build_legacy(db_url)
-    migrate(db_url)
+    migrate(db_url, reference_families=True)
     backend = open_backend(db_url)
     try:
         assert intent(backend, FAM, "done") is None
@@ -158,7 +158,7 @@ def test_latest_fire_policy_cursor_and_candidate_decide_work(db_url: str) -> Non
 
 def test_catch_up_after_migration_neither_duplicates_nor_loses(db_url: str) -> None:
     build_legacy(db_url)
-    migrate(db_url)
+    migrate(db_url, reference_families=True)
     backend = open_backend(db_url)
     try:
         term = claim(backend)

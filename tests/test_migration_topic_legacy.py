@@ -174,11 +174,11 @@ def build_legacy(
 
 
 def migrate_legacy(url: str) -> None:
-    migrate(url)
+    migrate(url, reference_families=True)
 
 
 def test_fresh_database_is_a_noop(db_url: str) -> None:
-    migrate(db_url)
+    migrate(db_url, reference_families=True)
     backend = open_backend(db_url)
     try:
         with backend.read() as conn:
@@ -187,7 +187,7 @@ def test_fresh_database_is_a_noop(db_url: str) -> None:
             assert "pc_artifact_processing_auto_wave_targets" not in names
             assert conn.execute(select(func.count()).select_from(tm.topic_cursors)).scalar() == 0
             assert scans.get_state(conn, FAM.binding_name) is None
-        migrate(db_url)  # idempotent at head
+        migrate(db_url, reference_families=True)  # idempotent at head
     finally:
         backend.dispose()
 

@@ -29,6 +29,8 @@ def test_wheel_maps_folders_under_the_apsup_namespace(tmp_path: Path) -> None:
         "apsup/migrations/env.py",
         "apsup/migrations/script.py.mako",
         "apsup/migrations/versions/0001_framework_tables.py",
+        "apsup/migrations/families/0002_family_domain_tables.py",
+        "apsup/migrations/families/0004_profile_from_apscheduler.py",
         "apsup/py.typed",
     ):
         assert required in names, required

@@ -68,17 +68,10 @@ def migrations_dir() -> Path:
     return Path(apsup.migrations.__file__).resolve().parent
 
 
-def migrate(url: str, revision: str = "head") -> None:
-    """Run Alembic ``upgrade`` to ``revision`` on ``url``."""
-    from alembic import command
-    from alembic.config import Config
+def migrate(url: str, revision: str | None = None, *, reference_families: bool = False) -> None:
+    """Upgrade apsup's schema on ``url`` (``apsup.store.revision.migrate``): the framework
+    tables, plus the reference families' tables when ``reference_families`` (or already there).
+    """
+    from apsup.store.revision import migrate as _migrate
 
-    backend = open_backend(url)
-    try:
-        cfg = Config()
-        cfg.set_main_option("script_location", str(migrations_dir()))
-        with backend.engine.begin() as conn:
-            cfg.attributes["connection"] = conn
-            command.upgrade(cfg, revision)
-    finally:
-        backend.dispose()
+    _migrate(url, None if revision == "head" else revision, reference_families=reference_families)

@@ -24,7 +24,7 @@ def shared_db(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     url = create_database(
         request.param, sqlite_dir=str(tmp_path_factory.mktemp("db")), mysql_admin_url=admin
     )
-    migrate(url)
+    migrate(url, reference_families=True)
     store = open_backend(url)
     yield store
     store.dispose()
