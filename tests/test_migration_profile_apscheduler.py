@@ -25,9 +25,9 @@ from sqlalchemy import (
 
 from apsup.context import dispose_backends
 from apsup.families import profile as pf
-from apsup.families._testing import claim, intent, make_context
 from apsup.policy import Cron
 from apsup.store import migrate, open_backend, scans
+from apsup.testing import claim_term, intent, make_context
 
 FAM = pf.FAMILY
 FIRE1 = datetime(2026, 12, 1, 18, 0)  # 02:00 Asia/Shanghai, Dec 2
@@ -161,7 +161,7 @@ def test_catch_up_after_migration_neither_duplicates_nor_loses(db_url: str) -> N
     migrate(db_url, reference_families=True)
     backend = open_backend(db_url)
     try:
-        term = claim(backend)
+        term = claim_term(backend)
         policy = FAM.policy
         assert isinstance(policy, Cron) and policy.timezone == "Asia/Shanghai"
         # The immediate catch-up admits every dirty Scope for the latest fire (FIRE1 here).

@@ -29,8 +29,8 @@ from sqlalchemy.dialects import mysql
 
 from apsup.context import dispose_backends
 from apsup.families import topic_memory as tm
-from apsup.families._testing import claim, intent, make_context
 from apsup.store import migrate, open_backend, scans
+from apsup.testing import claim_term, intent, make_context
 
 FAM = tm.FAMILY
 T0 = datetime(2026, 11, 30, 8, 0, 0, 123456)
@@ -267,7 +267,7 @@ def test_topic_api_and_processing_continue_after_migration(db_url: str) -> None:
         with backend.transaction() as conn:
             assert tm.flush(conn, "covered") == "idle"
             assert tm.flush(conn, "uncovered") == "accepted"
-        term = claim(backend)
+        term = claim_term(backend)
         for scope in ("uncovered", "flushed", "nopending", "waving"):
             row = intent(backend, FAM, scope)
             if row is not None and row.requested_generation == row.handled_generation:
