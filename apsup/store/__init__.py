@@ -45,6 +45,13 @@ def open_backend(url: str) -> SqlBackend:
         from apsup.store.sqlite import SqliteBackend
 
         return SqliteBackend(url)
+    try:
+        make_url(url).get_dialect().import_dbapi()
+    except ImportError:
+        raise ConfigError(
+            f"{redact_url(url)!r} needs a MySQL driver that is not installed: "
+            "pip install 'apsup[mysql]' (PyMySQL)"
+        ) from None
     from apsup.store.mysql import MysqlBackend
 
     return MysqlBackend(url)
