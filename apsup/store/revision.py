@@ -75,7 +75,12 @@ def alembic_config(url: str | None = None) -> Config:
 
 
 def script_directory() -> ScriptDirectory:
+    import logging
+
     from alembic.script import ScriptDirectory
+
+    # Alembic announces each of its plugins at INFO: noise in `apsup run`'s startup log.
+    logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
 
     return ScriptDirectory.from_config(alembic_config())
 
