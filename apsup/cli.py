@@ -63,11 +63,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    from apsup.store import migrate, redact_url
+    from apsup.store import backend_kind, redact_url
+    from apsup.store.revision import migrate
 
     url = _db_url(args)
-    migrate(url, args.revision)
-    print(f"migrated {redact_url(url)} to {args.revision}")
+    backend_kind(url)  # a bad URL is a one-line configuration error, offline too
+    logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
+    families = args.with_reference_families
+    if args.sql:
+        migrate(url, args.revision, reference_families=families, sql=True)
+        return 0
+    migrate(url, args.revision, reference_families=families)
+    what = args.revision or ("head, with the reference families" if families else "head")
+    print(f"migrated {redact_url(url)} to {what}")
     return 0
 
 
@@ -162,9 +170,19 @@ def build_parser() -> argparse.ArgumentParser:
     with_db(p)
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("migrate", help="create/upgrade the schema (alembic upgrade)")
+    p = sub.add_parser("migrate", help="create/upgrade apsup's schema (apsup_alembic_version)")
     with_db(p)
-    p.add_argument("--revision", default="head")
+    p.add_argument(
+        "--revision", default=None, help="one Alembic target (default: newest of each branch)"
+    )
+    p.add_argument(
+        "--with-reference-families",
+        action="store_true",
+        help="also create the reference families' tables (topic_*, experience_*, ...)",
+    )
+    p.add_argument(
+        "--sql", action="store_true", help="print the DDL for a new database; connect to nothing"
+    )
     p.set_defaults(func=cmd_migrate)
 
     p = sub.add_parser("check-config", help="print the effective configuration (no secrets)")

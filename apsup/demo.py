@@ -113,7 +113,7 @@ def run_demo(
     for suffix in ("", "-wal", "-shm"):
         Path(str(path) + suffix).unlink(missing_ok=True)
     url = f"sqlite:///{path}"
-    migrate(url)
+    migrate(url, reference_families=True)
     _seed(url)
     families = demo_families()
     bundle = build_host(url, families, shutdown_grace=5.0)

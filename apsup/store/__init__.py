@@ -46,6 +46,13 @@ def open_backend(url: str) -> SqlBackend:
         from apsup.store.sqlite import SqliteBackend
 
         return SqliteBackend(url)
+    try:
+        make_url(url).get_dialect().import_dbapi()
+    except ImportError:
+        raise ConfigError(
+            f"{redact_url(url)!r} needs a MySQL driver that is not installed: "
+            "pip install 'apsup[mysql]' (PyMySQL)"
+        ) from None
     from apsup.store.mysql import MysqlBackend
 
     return MysqlBackend(url)
@@ -76,17 +83,10 @@ def migrations_dir() -> Path:
     return Path(apsup.migrations.__file__).resolve().parent
 
 
-def migrate(url: str, revision: str = "head") -> None:
-    """Run Alembic ``upgrade`` to ``revision`` on ``url``."""
-    from alembic import command
-    from alembic.config import Config
+def migrate(url: str, revision: str | None = None, *, reference_families: bool = False) -> None:
+    """Upgrade apsup's schema on ``url`` (``apsup.store.revision.migrate``): the framework
+    tables, plus the reference families' tables when ``reference_families`` (or already there).
+    """
+    from apsup.store.revision import migrate as _migrate
 
-    backend = open_backend(url)
-    try:
-        cfg = Config()
-        cfg.set_main_option("script_location", str(migrations_dir()))
-        with backend.engine.begin() as conn:
-            cfg.attributes["connection"] = conn
-            command.upgrade(cfg, revision)
-    finally:
-        backend.dispose()
+    _migrate(url, None if revision == "head" else revision, reference_families=reference_families)

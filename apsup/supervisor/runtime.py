@@ -46,6 +46,7 @@ from apsup.policy import Disabled
 from apsup.registry import Family, Registry
 from apsup.scheduling import Backoff
 from apsup.store import SqlBackend, backend_kind, intents, open_backend
+from apsup.store.revision import check as check_revision
 from apsup.supervisor.host import Host, LeasePolicy
 from apsup.supervisor.launcher import MODES, build_host
 from apsup.supervisor.supervisor import Hooks
@@ -295,6 +296,8 @@ def _check_schema(backend: SqlBackend) -> None:
     (the loop keeps trying: a standby must not exit because the database is briefly away)."""
     try:
         backend.lease_rows()
+        with backend.read() as conn:
+            check_revision(conn)  # behind or ahead of this code: exit 2 naming `apsup migrate`
     except DBAPIError as exc:
         text = str(exc.orig).lower()
         if "no such table" in text or "doesn't exist" in text or "does not exist" in text:
