@@ -15,20 +15,12 @@ import os
 import time
 from typing import Any
 
-from sqlalchemy import Column, Engine, Float, Integer, MetaData, String, Table, event, insert
+from sqlalchemy import Engine, event, insert
+from wakeapp.tables import metadata, runs
 
 from apsup import ExecutionContext, family
 
-metadata = MetaData()
-runs = Table(
-    "wake_runs",
-    metadata,
-    Column("id", Integer, primary_key=True, autoincrement=True),
-    Column("family", String(64), nullable=False),
-    Column("scope_id", String(255), nullable=False),
-    Column("started", Float, nullable=False),
-    Column("pid", Integer, nullable=False),
-)
+__all__ = ["hourly", "manual", "metadata", "runs"]
 
 _PROBE = os.environ.get("WAKEAPP_PROBE")
 
