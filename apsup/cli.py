@@ -145,6 +145,12 @@ def cmd_switch_mode(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    from apsup import __version__
+
+    return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="apsup",
@@ -152,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
         "POWERCONTEXT_SERVER_RUNTIME_* variables (see `apsup check-config`).",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"apsup {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def with_db(p: argparse.ArgumentParser) -> None:

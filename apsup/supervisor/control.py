@@ -62,6 +62,8 @@ WATCH_SECONDS = 1.0
 ALL = "*"
 CONTROL_SUFFIX = ".apsup"
 SOCKET_NAME = "wake.sock"
+#: The running host's HTTP listener (``http://127.0.0.1:PORT``), for ``apsup status``.
+LISTENER_NAME = "http"
 #: sun_path holds 108 bytes; longer paths are reached through /proc/self/fd/<dir fd>/.
 _MAX_SOCKET_PATH = 100
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -309,6 +311,23 @@ class ControlChannel:
     def fileno(self) -> int:
         return self.sock.fileno()
 
+    def publish_listener(self, host: str, port: int) -> None:
+        """Record the HTTP listener's address beside the database (removed by ``close``)."""
+        if host in ("", "0.0.0.0"):
+            host = "127.0.0.1"
+        elif host == "::":
+            host = "::1"
+        if ":" in host:
+            host = f"[{host}]"
+        target = self.path.with_name(LISTENER_NAME)
+        tmp = target.with_name(LISTENER_NAME + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, f"http://{host}:{port}\n".encode())
+        finally:
+            os.close(fd)
+        os.replace(tmp, target)
+
     def drain(self) -> set[str]:
         """The families woken since the last drain (coalesced); ``ALL`` if some may be lost."""
         names: set[str] = set()
@@ -348,8 +367,23 @@ class ControlChannel:
 
     def close(self) -> None:
         self.sock.close()
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)
+        for leftover in (self.path, self.path.with_name(LISTENER_NAME)):
+            with contextlib.suppress(OSError):
+                os.unlink(leftover)
+
+
+def local_listener(database_url: str) -> str | None:
+    """The HTTP listener a running SQLite host on this machine published, if any."""
+    try:
+        if backend_kind(database_url) != "sqlite":
+            return None
+        path = database_path(database_url)
+        if path is None:
+            return None
+        url = (control_dir(path) / LISTENER_NAME).read_text().strip()
+    except (OSError, ConfigError, ValueError):
+        return None
+    return url or None
 
 
 class HostLock:
