@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy import Column, Float, Integer, MetaData, String, Table
+from sqlalchemy import Column, Double, Integer, MetaData, String, Table
 
 metadata = MetaData()
 runs = Table(
@@ -11,6 +11,6 @@ runs = Table(
     Column("id", Integer, primary_key=True, autoincrement=True),
     Column("family", String(64), nullable=False),
     Column("scope_id", String(255), nullable=False),
-    Column("started", Float, nullable=False),
+    Column("started", Double, nullable=False),
     Column("pid", Integer, nullable=False),
 )
