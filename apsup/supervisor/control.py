@@ -43,7 +43,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, event
+from sqlalchemy import URL, Connection, event
 
 from apsup.errors import ConfigError, HostConflictError
 from apsup.store import backend_kind
@@ -102,15 +102,30 @@ class _Address:
 # -- publisher side -------------------------------------------------------------------------------
 
 
+_socket_paths: dict[Path, Path] = {}
+_sender: socket.socket | None = None
+
+
+def _sender_socket() -> socket.socket:
+    # One unbound datagram socket per process, shared by threads (and harmlessly by a fork).
+    global _sender
+    if _sender is None:
+        _sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+    return _sender
+
+
 def send_wakeup(db_path: Path, family: str) -> bool:
     """One non-blocking datagram to the host of ``db_path``; False when none received it."""
+    global _sender
+    path = _socket_paths.get(db_path)
+    if path is None:
+        path = _socket_paths[db_path] = socket_path(db_path)
     try:
-        with (
-            _Address(socket_path(db_path)) as address,
-            socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock,
-        ):
-            sock.sendto(family.encode()[:MAX_DATAGRAM], socket.MSG_DONTWAIT, address)
-    except OSError:
+        with _Address(path) as address:
+            _sender_socket().sendto(family.encode()[:MAX_DATAGRAM], socket.MSG_DONTWAIT, address)
+    except OSError as exc:
+        if exc.errno in (errno.EBADF, errno.ENOTSOCK):
+            _sender = None  # closed under us (e.g. by a daemonising library): renew next time
         # No host (ENOENT/ECONNREFUSED), another user's host (EACCES) or a full queue (EAGAIN):
         # the intent is durable; a host finds it through its file watch or at startup.
         return False
@@ -131,16 +146,17 @@ def notify(database_url: str, family: str) -> bool:
     return send_wakeup(path, family)
 
 
-_db_paths: dict[str, Path | None] = {}
+_db_paths: dict[URL, Path | None] = {}
 _pending: weakref.WeakKeyDictionary[Connection, set[str]] = weakref.WeakKeyDictionary()
 
 
 def _publisher_path(conn: Connection) -> Path | None:
     url = conn.engine.url
-    key = url.render_as_string(hide_password=True)
-    if key not in _db_paths:
-        _db_paths[key] = database_path(url.render_as_string(hide_password=False))
-    return _db_paths[key]
+    try:
+        return _db_paths[url]
+    except KeyError:
+        path = _db_paths[url] = database_path(url.render_as_string(hide_password=False))
+        return path
 
 
 def check_publisher(conn: Connection) -> None:
