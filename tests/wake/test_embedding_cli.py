@@ -113,3 +113,38 @@ def test_connect_returns_an_immediate_transaction_engine(app: App) -> None:
         engine.dispose()
         other.dispose()
     assert sys.modules["apsup"].connect is apsup.connect
+
+
+@pytest.mark.parametrize(
+    ("raw", "port"), [(None, 0), ("", 0), ("0", 0), ("9464", 9464), ("off", None), ("OFF", None)]
+)
+def test_http_port_setting(raw: str | None, port: int | None) -> None:
+    """Unset = on, any free port; ``off`` = no listener; and a dedicated child (MySQL) inherits
+    exactly that choice."""
+    from apsup.config import DEFAULT_PREFIX, Settings
+    from apsup.supervisor.dedicated import child_env
+
+    registry = Registry()
+
+    @family("port-probe", registry=registry)
+    def proc(scope_id: str, ctx: apsup.ExecutionContext) -> None:  # pragma: no cover
+        pass
+
+    env = {DEFAULT_PREFIX + "DATABASE_URL": "mysql+pymysql://apsup@127.0.0.1:2881/app"}
+    if raw is not None:
+        env[DEFAULT_PREFIX + "HTTP_PORT"] = raw
+    settings = Settings.load(registry, env=env)
+    assert settings.http_port == port
+    again = Settings.load(registry, env=child_env(settings, 0, base_env={}))
+    assert again.http_port == (None if port is None else (port and port + 1))
+
+
+def test_http_port_rejects_other_words(tmp_path: Path) -> None:
+    from apsup.config import DEFAULT_PREFIX, Settings
+
+    env = {
+        DEFAULT_PREFIX + "DATABASE_URL": f"sqlite:///{tmp_path / 'p.db'}",
+        DEFAULT_PREFIX + "HTTP_PORT": "disabled",
+    }
+    with pytest.raises(ConfigError, match=r"HTTP_PORT.*or off"):
+        Settings.load(Registry(), env=env)
