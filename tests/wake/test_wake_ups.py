@@ -129,3 +129,38 @@ def test_commits_do_not_slow_down_or_fail_without_a_listening_host(app: App) -> 
         app.wait_run("wake-manual", "early-2")
     finally:
         host.stop()
+
+
+def test_a_frozen_host_slows_no_commit_and_catches_up(app: App, host: Host) -> None:
+    """SIGSTOP: the host reads nothing, its socket queue fills up and later sends fail at once
+    (lost wake-ups). Commits stay fast; after SIGCONT every request is handled."""
+    host.wait_quiet()
+    assert host.proc is not None
+    host.proc.send_signal(signal.SIGSTOP)
+    try:
+        timings = []
+        for i in range(15):  # more than the kernel queues for an unread datagram socket (10)
+            published = app.publish("request", "manual", f"frozen-{i}")
+            timings.append(published["committed"] - published["before"])
+    finally:
+        host.proc.send_signal(signal.SIGCONT)
+    print(f"\n[frozen host] slowest commit {max(timings) * 1000:.1f} ms")
+    assert max(timings) < 2.0  # generous: sends never block
+    for i in range(15):
+        app.wait_run("wake-manual", f"frozen-{i}")
+
+
+def test_dedicated_mode_host_is_woken_too(app: App) -> None:
+    """On SQLite, dedicated mode runs one Supervisor per family inside the one host: the
+    wake-up reaches the Supervisor that owns the family."""
+    host = Host(
+        app, env={"POWERCONTEXT_SERVER_RUNTIME_ARTIFACT_PROCESSING_SUPERVISOR_MODE": "dedicated"}
+    )
+    host.start().wait_ready()
+    try:
+        host.wait_quiet()
+        published = app.publish("request", "manual", "dedicated-1")
+        assert _reaction(host, published) < REACTION_BOUND
+        app.wait_run("wake-manual", "dedicated-1")
+    finally:
+        assert host.stop() == 0
