@@ -157,7 +157,7 @@ class Host:
                 if sup.owns(ex.worker_id):
                     sup.on_exit(ex)
         if self.control is not None:
-            self._control_wakeups(now)
+            self._drain_control()
         if self.elected and now >= self._next_poll:
             self._next_poll = now + self.lease.poll_seconds
             for sup in self.supervisors:
@@ -169,9 +169,10 @@ class Host:
             self.on_cycle(self)
         self._sleep(max_wait)
 
-    def _control_wakeups(self, now: float) -> None:
+    def _drain_control(self) -> None:
         """Datagrams (coalesced, at most once per ``min_interval``) and the file watch."""
         assert self.control is not None
+        now = time.monotonic()
         names: set[str] = set()
         if now >= self._control_quiet_until:
             names = self.control.drain()
