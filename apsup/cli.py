@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -26,6 +27,12 @@ def _import_apps(modules: Sequence[str]) -> Registry:
     """Import the modules that declare families; they register into the default registry."""
     if not modules:
         raise ConfigError("pass --app MODULE (the module that declares your @family processors)")
+    # Like Celery and Dramatiq: the application's own package is importable from where it runs
+    # (a console script's sys.path starts with its bin/ folder instead). Worker processes and
+    # dedicated children inherit sys.path / the working directory.
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
     for name in modules:
         try:
             importlib.import_module(name)
@@ -40,8 +47,6 @@ def _settings(args: argparse.Namespace, registry: Registry) -> Any:
 
     env = None
     if getattr(args, "db", None):
-        import os
-
         env = dict(os.environ)
         env[f"{Settings.default_prefix()}DATABASE_URL"] = args.db
     return Settings.load(registry, env=env)
@@ -148,6 +153,12 @@ def cmd_switch_mode(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    from apsup import __version__
+
+    return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="apsup",
@@ -155,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
         "POWERCONTEXT_SERVER_RUNTIME_* variables (see `apsup check-config`).",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"apsup {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def with_db(p: argparse.ArgumentParser) -> None:

@@ -8,8 +8,10 @@ naming the exact variable and what to change) and raises a single ``InvalidSetti
 
 Decisions that the RFC leaves open:
 
-- One HTTP listener: ``HTTP_PORT`` (unset = off, 0 = any free port) and ``HTTP_HOST`` (default
-  127.0.0.1) serve metrics, health, readiness and status together. ``METRICS_*``/``HEALTH_*``
+- One HTTP listener: ``HTTP_PORT`` (unset or 0 = on, any free port; ``off`` = no listener) and
+  ``HTTP_HOST`` (default 127.0.0.1) serve metrics, health, readiness and status together. On by
+  default because ``apsup status`` reads the live columns from it; a SQLite host publishes the
+  port it got beside the database for ``apsup status`` to find. ``METRICS_*``/``HEALTH_*``
   are rejected with a pointer to ``HTTP_*`` rather than silently ignored.
 - Worker settings (``worker_env``) are prefixed variable names with normalised values, so a
   child can re-load them; names that look secret are never included.
@@ -217,6 +219,11 @@ def _integer(low: int, high: int | None = None) -> Callable[[str], int]:
     return convert
 
 
+def _http_port(raw: str) -> int:
+    """A port (0 = any free one), or -1 for ``off``."""
+    return -1 if raw.lower() == "off" else _integer(0, 65535)(raw)
+
+
 def _boolean(raw: str) -> bool:
     value = raw.lower()
     if value in {"1", "true", "yes", "on"}:
@@ -315,7 +322,8 @@ class Settings:
         src("database_url", "DATABASE_URL")
         http_host = r.parse("HTTP_HOST", _host, "a host name or IP address") or "127.0.0.1"
         src("http_host", "HTTP_HOST")
-        http_port = r.parse("HTTP_PORT", _integer(0, 65535), "an integer port 0-65535")
+        port = r.parse("HTTP_PORT", _http_port, "an integer port 0-65535, or off")
+        http_port = 0 if port is None else (None if port < 0 else port)
         src("http_port", "HTTP_PORT")
         positive = _number(0, inclusive=False)
         lease = r.parse("LEASE_SECONDS", positive, "a number of seconds > 0") or 15.0

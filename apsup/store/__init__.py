@@ -6,6 +6,7 @@ import contextlib
 import importlib.util
 from pathlib import Path
 
+from sqlalchemy import Engine
 from sqlalchemy.engine import make_url
 
 from apsup.errors import ConfigError
@@ -17,6 +18,7 @@ __all__ = [
     "SqlBackend",
     "Term",
     "backend_kind",
+    "connect",
     "migrate",
     "open_backend",
     "redact_url",
@@ -56,6 +58,20 @@ def open_backend(url: str) -> SqlBackend:
     from apsup.store.mysql import MysqlBackend
 
     return MysqlBackend(url)
+
+
+def connect(url: str) -> Engine:
+    """An SQLAlchemy Engine for the application's own transactions on apsup's database.
+
+    Use it for the transactions that publish intent (``fam.request(conn, ...)``,
+    ``fam.mark_dirty(conn, ...)``) together with the application's writes. It is configured as
+    apsup's own: on SQLite every transaction starts with ``BEGIN IMMEDIATE`` (so a
+    read-then-write transaction waits for the write lock instead of failing with
+    ``SQLITE_BUSY_SNAPSHOT``), WAL and a busy timeout, and a missing database file is created
+    0600; on MySQL/OceanBase READ COMMITTED, as apsup's own sessions. A plain
+    ``create_engine(url)`` works too; ``dispose()`` the engine when done.
+    """
+    return open_backend(url).engine
 
 
 def worker_preload(url: str) -> list[str]:

@@ -93,7 +93,9 @@ def child_env(
     put("ARTIFACT_PROCESSING_ROLE", "background")
     put("DATABASE_URL", settings.database_url)
     put("HTTP_HOST", settings.http_host)
-    if settings.http_port is not None:
+    if settings.http_port is None:
+        put("HTTP_PORT", "off")
+    else:
         put("HTTP_PORT", str(supervisor_port(settings.http_port, index)))
     put("LEASE_SECONDS", _num(settings.lease_seconds))
     put("RENEW_SECONDS", _num(settings.renew_seconds))

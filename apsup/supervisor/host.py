@@ -2,7 +2,9 @@
 
 It sleeps until the earliest of: a Worker exit (pool sentinels), a control notification, a
 signal, a schedule/retry deadline, a Worker timeout, and on MySQL the renewal and bounded
-request-polling deadlines. On SQLite nothing else wakes it: no idle database polling (RFC §8).
+request-polling deadlines. On SQLite it also checks the database files' signature once a second
+(a ``stat``, not a query) to recover wake-ups that never arrived; an idle SQLite host issues no
+database statement (RFC §8). See ``apsup.supervisor.control`` for the wake-up guarantee.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from multiprocess.connection import wait
 
 from apsup.store import SqlBackend
 from apsup.store.leases import new_holder_id
-from apsup.supervisor.control import ControlChannel
+from apsup.supervisor.control import ALL, ControlChannel
 from apsup.supervisor.supervisor import Supervisor
 from apsup.workers.pool import WorkerPool
 
@@ -66,6 +68,8 @@ class Host:
         self._next_renew = 0.0
         self._next_poll = 0.0
         self._last_renewed: dict[str, float] = {}
+        self._control_quiet_until = 0.0
+        self._next_watch = 0.0
 
     # -- control ------------------------------------------------------------------------------
     def stop(self) -> None:
@@ -153,9 +157,7 @@ class Host:
                 if sup.owns(ex.worker_id):
                     sup.on_exit(ex)
         if self.control is not None:
-            for family in self.control.drain():
-                for sup in self.supervisors:
-                    sup.notify(family)
+            self._drain_control()
         if self.elected and now >= self._next_poll:
             self._next_poll = now + self.lease.poll_seconds
             for sup in self.supervisors:
@@ -167,13 +169,49 @@ class Host:
             self.on_cycle(self)
         self._sleep(max_wait)
 
+    def _drain_control(self) -> None:
+        """Datagrams (coalesced, at most once per ``min_interval``) and the file watch."""
+        assert self.control is not None
+        now = time.monotonic()
+        names: set[str] = set()
+        if now >= self._control_quiet_until:
+            names = self.control.drain()
+            if names:
+                self._control_quiet_until = now + self.control.min_interval
+        if now >= self._next_watch:
+            self._next_watch = now + self.control.watch_seconds
+            if self.control.files_changed():
+                names.add(ALL)
+        if not names:
+            return
+        # The publisher sent its datagram just before its COMMIT, holding SQLite's write lock:
+        # taking the lock once (an empty write transaction) makes its commit visible to the
+        # reads below. A failure here only delays the wake-up to the next file-watch tick.
+        try:
+            with self.backend.engine.begin():
+                pass
+        except Exception as exc:
+            log.debug("wake-up barrier failed", extra={"exception_type": type(exc).__name__})
+        for sup in self.supervisors:
+            if ALL in names:
+                sup.notify_all()
+            else:
+                for family in names:
+                    sup.notify(family)
+
     def _sleep(self, max_wait: float | None) -> None:
         timeout = self._timeout()
         if max_wait is not None:
             timeout = max_wait if timeout is None else min(timeout, max_wait)
         objects: list[int] = [self._wake_r, *self.pool.sentinels()]
         if self.control is not None:
-            objects.append(self.control.fileno())
+            # While quiet, pending datagrams wait in the kernel: a flood costs one drain per
+            # interval, not one loop iteration per datagram.
+            quiet = self._control_quiet_until - time.monotonic()
+            if quiet > 0:
+                timeout = quiet if timeout is None else min(timeout, quiet)
+            else:
+                objects.append(self.control.fileno())
         wait(objects, timeout)
         with contextlib.suppress(OSError):
             while os.read(self._wake_r, 512):
@@ -192,6 +230,8 @@ class Host:
         if self.elected:
             candidates.append(self._next_renew - mono)
             candidates.append(self._next_poll - mono)
+        if self.control is not None:
+            candidates.append(self._next_watch - mono)
         if not candidates:
             return None
         return max(0.0, min(candidates))

@@ -506,6 +506,8 @@ class Runtime:
             host.stop()
         try:
             self._start_http(observer.status, metrics, heartbeat)
+            if bundle.control is not None and self.http_port is not None:
+                bundle.control.publish_listener(self.settings.http_host, self.http_port)
             host.start()
             observer(host)
             log_startup(
