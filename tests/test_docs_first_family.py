@@ -36,9 +36,6 @@ def test_every_block_is_a_file_or_a_command() -> None:
 def test_the_walkthrough_runs_as_written(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(PREFIXES)}
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    # `apsup run --app` imports from the working directory once the embed-wake branch lands;
-    # until then the folder goes on the import path here (the doc itself does not need it).
-    env["PYTHONPATH"] = str(tmp_path)
     for n, (_, path, body) in enumerate(blocks(), 1):
         if path is not None:
             target = tmp_path / path

@@ -12,9 +12,6 @@ an application with its own package, tables and Alembic history (``tests/embeddi
 4. ``apsup run --app myapp.families`` (automatic admission disabled): a ``request()`` committed
    by a separate process is handled within 2 s with no further call, and the idle host then
    runs no database statement for 10 s.
-
-Step 4's "handled within 2 s" needs the SQLite wake-up on commit (``apsup.connect`` marks that
-release); before it, that one assertion is an expected failure.
 """
 
 from __future__ import annotations
@@ -33,14 +30,11 @@ from pathlib import Path
 
 import pytest
 
-import apsup
-
 ROOT = Path(__file__).resolve().parents[1]
 APP = Path(__file__).resolve().parent / "embedding_app"
 PREFIX = "POWERCONTEXT_SERVER_RUNTIME_"
 HANDLED_WITHIN = 2.0
 IDLE_FOR = 10.0
-WAKES_ON_COMMIT = hasattr(apsup, "connect")  # the release with SQLite wake-ups on commit
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.backends("sqlite")]
 
@@ -113,8 +107,6 @@ class App:
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(PREFIX)}
         env.pop("PYTHONPATH", None)  # the app is importable from its own folder only
-        if not WAKES_ON_COMMIT:  # before that release `--app` did not import from the cwd
-            env["PYTHONPATH"] = str(self.root)
         env["MYAPP_DATABASE_URL"] = self.url
         env[PREFIX + "DATABASE_URL"] = self.url
         return env
@@ -230,9 +222,7 @@ def test_the_wheel_embedded_in_an_application(tmp_path: Path, venv: Path) -> Non
         try:
             took = first.wait_handled("report", "invoice-1", committed)
         except NotHandledInTime:
-            if WAKES_ON_COMMIT:
-                raise AssertionError(first.host_log("myapp.families")) from None
-            pytest.xfail("needs the SQLite wake-up on commit (not in this release yet)")
+            raise AssertionError(first.host_log("myapp.families")) from None
         print(f"\n[request, admission disabled] handled {took * 1000:.0f} ms after the commit")
         time.sleep(1.0)  # the Worker's exit and its bookkeeping
         quiet_from = time.time()
