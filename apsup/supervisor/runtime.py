@@ -222,6 +222,12 @@ class HostObserver:
                         or sup.unreconciled.get(name)
                         or (snap.last_error_stage if snap is not None else None)
                     )
+                if sup.term is not None and sup.core is None:
+                    # The Lease is held but the term is not established: nothing dispatches.
+                    status, reason = "degraded", sup.establish_error or "establishing term"
+                elif sup.term is not None and name in sup.reconciling:
+                    pages = sup.reconciling[name].pages
+                    status, reason = "degraded", f"reconciling ({pages} pages so far)"
                 running = snap.running if snap is not None else 0
                 ready = snap.ready if snap is not None else 0
                 retry_wait = snap.retry_wait if snap is not None else 0
