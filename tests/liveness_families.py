@@ -14,6 +14,7 @@ fakestale  attempt 1 (no ``attempt.<scope>`` file yet): raise StaleTermError alt
 lateack    acknowledge, then sleep past the family timeout (``live-late`` has a 1 s timeout)
 =========  ======================================================================================
 
+``live-scan`` checks every second (its StartScan is a fenced control write each time).
 ``live-recon`` has a reconciler run in the host process; ``RECON`` sets how many pages it
 returns and how long each page's query takes (``SELECT SLEEP`` on MySQL: real database time).
 """
@@ -89,6 +90,11 @@ def live_work(scope_id: str, ctx: ExecutionContext) -> None:
 
 @family("live-late", max_workers=2, timeout=1.0, registry=registry)
 def live_late(scope_id: str, ctx: ExecutionContext) -> None:
+    behave(scope_id, ctx)
+
+
+@family("live-scan", interval=1.0, max_workers=2, timeout=60, registry=registry)
+def live_scan(scope_id: str, ctx: ExecutionContext) -> None:
     behave(scope_id, ctx)
 
 
