@@ -243,8 +243,11 @@ class _Family:
         cron: the first fire after it), and cron maths is costly while ``decide`` runs often.
         Without a checkpoint the first check is due at once (``now``).
         A policy that cannot compute (e.g. an overflowing interval, a cron that never fires)
-        records ``policy_error`` and has no due check: only this family's automatic checks stop.
+        records ``policy_error`` and has no due check for the rest of the term (policies do not
+        change while running): only this family's automatic checks stop.
         """
+        if self.policy_error is not None:
+            return None
         try:
             if self.checkpoint is None:
                 due = self.spec.policy.next_due(None, now)
@@ -257,7 +260,6 @@ class _Family:
         except Exception as exc:
             self.policy_error = type(exc).__name__
             return None
-        self.policy_error = None
         return due
 
 
@@ -440,7 +442,12 @@ class Scheduler:
                 f.name, scan.generation, scan.after_sequence, scan.upper, f.spec.page_size
             )
         if scan_due:
-            return StartScan(f.name, f.spec.policy.checkpoint_for(now))  # cron maths: only here
+            try:
+                checkpoint = f.spec.policy.checkpoint_for(now)  # cron maths: only here
+            except Exception as exc:
+                f.policy_error = type(exc).__name__  # no automatic checks; requests still run
+                return requests
+            return StartScan(f.name, checkpoint)
         return requests
 
     def _next_admission(self, f: _Family, scan: _Scan) -> Admit | None:
