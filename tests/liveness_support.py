@@ -19,6 +19,7 @@ from apsup.store import SqlBackend, intents, migrate, open_backend
 from apsup.supervisor.host import Host, LeasePolicy
 from apsup.supervisor.launcher import HostBundle, build_host
 from apsup.supervisor.runtime import HostObserver
+from apsup.supervisor.supervisor import Hooks
 
 FAST_BACKOFF = Backoff(base=0.3, factor=2.0, cap=1.2, jitter=0.1)
 INTENTS = "pc_artifact_processing_intents"
@@ -32,6 +33,7 @@ def live_host(
     workdir: Path,
     *,
     lease: LeasePolicy | None = None,
+    hooks: Hooks | None = None,
     start: bool = True,
 ) -> Iterator[HostBundle]:
     """A migrated database and a host over ``families`` whose Workers talk through ``workdir``;
@@ -42,6 +44,7 @@ def live_host(
         families,
         lease=lease or LeasePolicy(3.0, 1.0, 0.5),
         worker_settings={"LIVE_DIR": str(workdir)},
+        hooks=hooks,
         shutdown_grace=3.0,
         grace_seconds=2.0,
         backoff=FAST_BACKOFF,
@@ -60,6 +63,16 @@ def live_host(
     finally:
         bundle.host.shutdown()
         bundle.close()
+
+
+class ExitRecorder(Hooks):
+    """Records the cause of every classified exit (None = success)."""
+
+    def __init__(self) -> None:
+        self.causes: list[tuple[str, str | None]] = []
+
+    def on_exit(self, family: str, cause: str | None, duration: float) -> None:
+        self.causes.append((family, cause))
 
 
 def readiness(host: Host) -> dict[str, Any]:
