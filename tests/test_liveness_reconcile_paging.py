@@ -10,6 +10,7 @@ resumes where it stopped and it never stops silently.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -58,7 +59,9 @@ def test_reconciliation_longer_than_the_lease_keeps_one_term(
                     reasons.add(str(status["families"].get(fam.name, {}).get("reason")))
                 return handled(backend, fam, "ok.1", g)
 
+            t0 = time.monotonic()
             cycle_until(host, one_term_throughout, 60, "request handled after reconciliation")
+            print(f"\nreconciliation + dispatch under one term: {time.monotonic() - t0:.2f}s")
             assert recon["seen"] == 15
             assert any("reconciling" in r for r in reasons), reasons
             assert fam.name not in sup.unreconciled

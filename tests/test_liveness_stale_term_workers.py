@@ -12,6 +12,7 @@ Worker for its key beside it.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,7 @@ def test_stale_term_outside_renewal_terminates_workers(
             assert sup.term is not None
             old = sup.term.generation
             backend.invalidate_terms()
+            t0 = time.monotonic()
             if found_by == "worker":
                 (tmp_path / "go.stalewait.2").touch()
             cycle_until(
@@ -63,5 +65,6 @@ def test_stale_term_outside_renewal_terminates_workers(
             cycle_until(host, lambda: not b.pool.running(), 30, "old-term Workers stopped")
             assert not sup.running
             assert not _alive(pid)
+            print(f"\n{found_by}: slow Worker stopped {time.monotonic() - t0:.2f}s after loss")
     finally:
         backend.dispose()

@@ -10,6 +10,7 @@ released (and claimed again with a new generation) so that a standby could take 
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -66,10 +67,16 @@ def test_failed_establishment_is_retried_and_never_reported_ready(
             assert not handled(backend, lf.live_work, "ok.1", g)
 
             rename_table(db_url, "live_moved_states", BINDING_STATES)
+            t0 = time.monotonic()
             cycle_until(
                 host, lambda: handled(backend, lf.live_work, "ok.1", g), 30, "request handled"
             )
+            recovered = time.monotonic() - t0
             assert sup.established
             cycle_until(host, lambda: readiness(host)["status"] == "ok", 10, "ready")
+            print(
+                f"\n{backend.name}: {held} held-but-not-ready samples, {len(generations)} "
+                f"generation(s) during the fault; request handled {recovered:.2f}s after repair"
+            )
     finally:
         backend.dispose()
