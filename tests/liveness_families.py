@@ -56,8 +56,11 @@ def _ack(ctx: ExecutionContext) -> None:
 
 
 def behave(scope_id: str, ctx: ExecutionContext) -> None:
-    d = _dir(ctx)
     kind = scope_id.split(".", 1)[0]
+    if kind == "ok" and "LIVE_DIR" not in ctx.settings:
+        _ack(ctx)  # run by a Runtime, which passes no LIVE_DIR
+        return
+    d = _dir(ctx)
     (d / f"started.{scope_id}").write_text(str(os.getpid()))
     if kind == "ok":
         _ack(ctx)

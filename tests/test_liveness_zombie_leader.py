@@ -17,6 +17,7 @@ import pytest
 
 from apsup.store import migrate, open_backend
 from apsup.supervisor.host import LeasePolicy
+from apsup.supervisor.runtime import Runtime
 from tests import liveness_families as lf
 from tests.liveness_support import (
     BINDING_STATES,
@@ -28,6 +29,7 @@ from tests.liveness_support import (
     rename_table,
     request,
 )
+from tests.replicas.support import http_get, running, settings_for, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -78,5 +80,38 @@ def test_failed_establishment_is_retried_and_never_reported_ready(
                 f"\n{backend.name}: {held} held-but-not-ready samples, {len(generations)} "
                 f"generation(s) during the fault; request handled {recovered:.2f}s after repair"
             )
+    finally:
+        backend.dispose()
+
+
+def test_readyz_over_http_is_not_ok_until_the_term_is_established(db_url: str) -> None:
+    """The same fault on a real Runtime, read through ``/readyz`` over HTTP."""
+    migrate(db_url)
+    backend = open_backend(db_url)
+    try:
+        g = request(backend, lf.live_work, "ok.http")
+        rename_table(db_url, BINDING_STATES, "live_moved_states")
+        repaired = False
+        try:
+            runtime = Runtime(settings_for(db_url, registry=lf.registry), lf.registry)
+            with running(runtime):
+                port = runtime.http_port
+                assert port is not None
+                deadline = time.monotonic() + 3.0
+                while time.monotonic() < deadline:
+                    code, body = http_get(port, "/readyz")
+                    assert body["status"] != "ok", body
+                    time.sleep(0.1)
+                work = body["families"].get(lf.live_work.name, {})
+                assert code == 503 or "term not established" in str(work.get("reason")), body
+                rename_table(db_url, "live_moved_states", BINDING_STATES)
+                repaired = True
+                wait_for(
+                    lambda: handled(backend, lf.live_work, "ok.http", g), 30, "request handled"
+                )
+                wait_for(lambda: http_get(port, "/readyz")[1]["status"] == "ok", 30, "ready")
+        finally:
+            if not repaired:
+                rename_table(db_url, "live_moved_states", BINDING_STATES)
     finally:
         backend.dispose()
