@@ -329,11 +329,14 @@ class Settings:
         lease = r.parse("LEASE_SECONDS", positive, "a number of seconds > 0") or 15.0
         src("lease_seconds", "LEASE_SECONDS")
         renew = r.parse("RENEW_SECONDS", positive, "a number of seconds > 0")
-        if renew is not None and renew >= lease:
+        # The host gives a term up when its renewal is late by 0.8 x the lease; a renewal that
+        # fails once must leave room for the next one before that, hence at most a third.
+        if renew is not None and renew > lease / 3 * (1 + 1e-9):
             r.fail(
                 "RENEW_SECONDS",
-                f"must be shorter than LEASE_SECONDS ({lease:g}s), got {renew:g}s; "
-                f"renew at most every {lease / 3:g}s",
+                f"must be shorter than LEASE_SECONDS: at most a third of it ({lease / 3:g}s), "
+                f"got {renew:g}s; lower RENEW_SECONDS or raise LEASE_SECONDS to "
+                f"{renew * 3:g}s or more",
             )
         renew = lease / 3 if renew is None else renew
         src("renew_seconds", "RENEW_SECONDS")

@@ -29,6 +29,10 @@ from apsup.workers.pool import WorkerPool
 
 log = logging.getLogger("apsup.host")
 
+#: On elected backends a term that failed to establish this many times in a row is released,
+#: so that another replica may establish it (this host competes again at its next renewal).
+ESTABLISH_ATTEMPTS = 5
+
 
 @dataclass(frozen=True)
 class LeasePolicy:
@@ -91,18 +95,75 @@ class Host:
 
     # -- leadership ---------------------------------------------------------------------------
     def _claim(self, sup: Supervisor) -> None:
+        if self._stopping_workers(sup):
+            return  # Workers of its previous term are still being stopped: no second Worker
         term = self.backend.claim_term(sup.key, self.holder_id, self.lease.lease_seconds)
         if term is not None:
             self._last_renewed[sup.key] = time.monotonic()
-            sup.become_leader(term)
+            sup.become_leader(term)  # never raises: a failed establishment is retried
+
+    def _stopping_workers(self, sup: Supervisor) -> bool:
+        """Whether Workers of ``sup`` are still being stopped (exit not confirmed yet; Workers
+        the pool gave up on as unconfirmed no longer count)."""
+        live = {h.worker_id for h in self.pool.running() if h.state != "unconfirmed"}
+        return any(wid in live for wid in sup.running)
 
     def _terminate_workers(self, sup: Supervisor) -> None:
-        if not sup.running:
+        """A Supervisor without a term has no business running Workers, whichever path found
+        the term gone (renewal, a stale fenced step, a Worker's report). Stop them now, like a
+        shutdown but only this Supervisor's: SIGTERM, SIGKILL after the pool's grace, and wait
+        (bounded) for the confirmed exits, so no key of theirs is dispatched again meanwhile."""
+        if sup.term is not None:
             return
-        for ex in self.pool.terminate_all(self.shutdown_grace):
-            for s in self.supervisors:
-                if s.owns(ex.worker_id):
-                    s.on_exit(ex)
+        ids = {wid for wid in sup.running if wid not in sup.unclassified}
+        if not ids:
+            return
+        self.pool.terminate(ids)
+        deadline = (
+            time.monotonic()
+            + self.shutdown_grace
+            + self.pool.grace_seconds
+            + self.pool.confirm_seconds
+        )
+        while True:
+            for ex in self.pool.poll():
+                for s in self.supervisors:
+                    if s.owns(ex.worker_id):
+                        s.on_exit(ex)
+            live = [
+                h for h in self.pool.running() if h.worker_id in ids and h.state != "unconfirmed"
+            ]
+            remaining = deadline - time.monotonic()
+            if not live or remaining <= 0:
+                return
+            wait([h.sentinel for h in live], min(0.05, remaining))
+
+    def _release(self, sup: Supervisor, reason: str) -> None:
+        term = sup.term
+        sup.lose_leadership(reason)
+        self._terminate_workers(sup)
+        if term is None:
+            return
+        try:
+            self.backend.release_term(term)
+        except Exception as exc:
+            log.warning(
+                "release failed",
+                extra={"supervisor_key": sup.key, "exception_type": type(exc).__name__},
+            )
+
+    def _establish(self) -> None:
+        """Retry establishment of held terms; on elected backends release a term that keeps
+        failing so that a standby can try (SQLite has no other host: it keeps retrying)."""
+        for sup in self.supervisors:
+            if sup.term is None or sup.core is not None:
+                continue
+            if (
+                not sup.establish()
+                and self.elected
+                and sup.establish_failures >= (ESTABLISH_ATTEMPTS)
+            ):
+                self._release(sup, "term establishment failed repeatedly")
 
     def _maintain_leases(self, now: float) -> None:
         if not self.elected:
@@ -149,25 +210,46 @@ class Host:
         self._next_poll = time.monotonic() + self.lease.poll_seconds
 
     def cycle(self, max_wait: float | None = None) -> None:
-        """One iteration: act on everything due, then sleep until the next reason to wake."""
+        """One iteration: act on everything due, then sleep until the next reason to wake.
+
+        No error escapes: each stage is guarded, so a database blip costs one iteration of that
+        stage, never the host process (a restart would only meet the same blip)."""
         now = time.monotonic()
         self.heartbeat = now
-        for ex in self.pool.poll():
-            for sup in self.supervisors:
-                if sup.owns(ex.worker_id):
-                    sup.on_exit(ex)
+        self._guarded("exits", self._deliver_exits)
         if self.control is not None:
-            self._drain_control()
+            self._guarded("control", self._drain_control)
         if self.elected and now >= self._next_poll:
             self._next_poll = now + self.lease.poll_seconds
             for sup in self.supervisors:
                 sup.notify_all()  # bounded polling for cross-process requests
-        self._maintain_leases(now)
+        self._guarded("lease", lambda: self._maintain_leases(now))
+        self._guarded("establish", self._establish)
         for sup in self.supervisors:
-            sup.step()
+            self._guarded("step", sup.step)
+            self._terminate_workers(sup)  # the step may have found the term stale
         if self.on_cycle is not None:
-            self.on_cycle(self)
+            self._guarded("observe", lambda: self.on_cycle(self) if self.on_cycle else None)
         self._sleep(max_wait)
+
+    def _deliver_exits(self) -> None:
+        for ex in self.pool.poll():
+            for sup in self.supervisors:
+                if sup.owns(ex.worker_id):
+                    sup.on_exit(ex)
+        for sup in self.supervisors:
+            sup.retry_classification()
+            self._terminate_workers(sup)  # a Worker may have reported the term stale
+
+    def _guarded(self, stage: str, fn: Callable[[], object]) -> None:
+        try:
+            fn()
+        except Exception as exc:
+            log.error(
+                "host step failed",
+                extra={"stage": stage, "exception_type": type(exc).__name__},
+                exc_info=log.isEnabledFor(logging.DEBUG),
+            )
 
     def _drain_control(self) -> None:
         """Datagrams (coalesced, at most once per ``min_interval``) and the file watch."""
