@@ -56,7 +56,7 @@ def _reaction(host: Host, published: dict[str, float]) -> float:
     raise AssertionError("the host never reacted to the commit")
 
 
-@pytest.mark.parametrize("engine", ["plain", "apsup"])
+@pytest.mark.parametrize("engine", ["plain", "apsup", "async"])
 def test_request_from_another_process_wakes_the_idle_host(
     app: App, host: Host, engine: str
 ) -> None:
