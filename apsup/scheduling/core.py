@@ -44,7 +44,7 @@ from datetime import datetime, timedelta
 from typing import TypeVar
 
 from apsup.errors import ConfigError
-from apsup.policy import Disabled, Policy
+from apsup.policy import CLOCK_JUMP_TOLERANCE, Disabled, Policy
 from apsup.scheduling.backoff import Backoff
 from apsup.scheduling.decisions import (
     Admit,
@@ -166,6 +166,7 @@ class FamilySnapshot:
     last_error_stage: str | None
     errors: int
     max_consecutive_failures: int
+    clock_rewinds: int = 0  # checkpoints clamped because database time went back
 
 
 # --- internal state ------------------------------------------------------------------------------
@@ -207,6 +208,7 @@ class _Family:
         self.name = spec.name
         self.budget = spec.max_workers
         self.limit = spec.queue_limit
+        self.clock_rewinds = 0  # survives lease loss: it is a counter
         self.reset()
 
     def reset(self) -> None:
@@ -217,6 +219,7 @@ class _Family:
         self.running = 0
         self.waiting: list[tuple[datetime, int, str]] = []  # heap of (due, tiebreak, scope)
         self.checkpoint: datetime | None = None
+        self.rewound_from: datetime | None = None  # durable checkpoint a clamp still replaces
         self._due_for: datetime | None = None  # memo of next_due() for this checkpoint
         self._due: datetime | None = None
         self.scan_generation = 0
@@ -241,12 +244,25 @@ class _Family:
         cron: the first fire after it), and cron maths is costly while ``decide`` runs often.
         Without a checkpoint the first check is due at once (``now``).
         """
+        self.clamp_checkpoint(now)
         if self.checkpoint is None:
             return self.spec.policy.next_due(None, now)
         if self._due_for != self.checkpoint:
             self._due_for = self.checkpoint
             self._due = self.spec.policy.next_due(self.checkpoint, now)
         return self._due
+
+    def clamp_checkpoint(self, now: datetime) -> None:
+        """Database time went back: a checkpoint more than the tolerance ahead is clamped to now.
+
+        Otherwise the family would stall silently for the whole jump. The next StartScan carries
+        ``rewound_from`` so the store accepts the earlier checkpoint; the shell logs it.
+        """
+        if self.checkpoint is not None and self.checkpoint > now + CLOCK_JUMP_TOLERANCE:
+            if self.rewound_from is None:
+                self.rewound_from = self.checkpoint
+            self.checkpoint = now
+            self.clock_rewinds += 1
 
 
 # --- the scheduler -------------------------------------------------------------------------------
@@ -417,7 +433,11 @@ class Scheduler:
                 f.name, scan.generation, scan.after_sequence, scan.upper, f.spec.page_size
             )
         if scan_due:
-            return StartScan(f.name, f.spec.policy.checkpoint_for(now))  # cron maths: only here
+            checkpoint = f.spec.policy.checkpoint_for(now)  # cron maths: only here
+            if f.checkpoint is not None and checkpoint <= f.checkpoint:
+                assert due is not None
+                checkpoint = due  # strictly forward: the due fire is after the checkpoint
+            return StartScan(f.name, checkpoint, f.rewound_from)
         return requests
 
     def _next_admission(self, f: _Family, scan: _Scan) -> Admit | None:
@@ -462,7 +482,9 @@ class Scheduler:
         f = self._family(family)
         if self._settle(f, StartScan) is None:
             return
-        f.checkpoint = checkpoint
+        if f.checkpoint is None or checkpoint > f.checkpoint:
+            f.checkpoint = checkpoint  # never backwards (a clamp lowered it in memory first)
+        f.rewound_from = None
         f.scan_generation = scan_generation
         f.scan = _Scan(scan_generation, upper_sequence, ending=upper_sequence is None)
 
@@ -749,6 +771,7 @@ class Scheduler:
                 last_error_stage=f.last_error_stage,
                 errors=f.errors,
                 max_consecutive_failures=max((k.failures for k in f.keys.values()), default=0),
+                clock_rewinds=f.clock_rewinds,
             )
         return result
 
