@@ -105,9 +105,9 @@ def crons(draw: st.DrawFn) -> CronCase:
 def reference_fires(case: CronCase, zone: str, start: datetime, end: datetime) -> list[datetime]:
     """Fire instants (aware UTC) in [start - margin, end + margin], by walking every minute.
 
-    The margin (a day, or eight when weekdays are restricted) holds a fire on each side.
+    The margin (two days, or nine when weekdays are restricted) holds a fire on each side.
     """
-    margin = timedelta(days=1 if case.weekdays == frozenset(range(7)) else 8)
+    margin = timedelta(days=2 if case.weekdays == frozenset(range(7)) else 9)
     start, end = start - margin, end + margin
     tz = ZoneInfo(zone)
     every_hour = case.hours == frozenset(range(24))
