@@ -48,11 +48,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from croniter import croniter
 from sqlalchemy.engine import make_url
 
 from apsup.errors import ConfigError
-from apsup.policy import Cron, Disabled, Policy
+from apsup.policy import MAX_INTERVAL_SECONDS, Cron, Disabled, Policy, cron_problem
 from apsup.registry import Family, Registry, default_registry, make_policy
 from apsup.store import backend_kind, redact_url
 
@@ -231,6 +230,14 @@ def _boolean(raw: str) -> bool:
     if value in {"0", "false", "no", "off"}:
         return False
     raise ValueError(raw)
+
+
+def _schedule_seconds(raw: str) -> float:
+    """Interval seconds: 0 (disabled) up to a year; larger values overflow datetime maths."""
+    value = _number(0, inclusive=True)(raw)
+    if value > MAX_INTERVAL_SECONDS:
+        raise ValueError(raw)
+    return value
 
 
 def _valid_timezone(name: str) -> bool:
@@ -640,8 +647,9 @@ def _effective_family(
 
     interval = r.parse(
         name("SCHEDULE_SECONDS"),
-        _number(0, inclusive=True),
-        "a number of seconds >= 0 (0 disables automatic admission)",
+        _schedule_seconds,
+        f"a number of seconds >= 0 (0 disables automatic admission) and <= "
+        f"{MAX_INTERVAL_SECONDS:.0f} (a year)",
     )
     enabled = r.parse(name("SCHEDULE_ENABLED"), _boolean, "true or false")
     workers = r.parse(name("MAX_WORKERS"), _integer(1), "an integer >= 1")
@@ -652,8 +660,8 @@ def _effective_family(
     tz = r.values[present["TIMEZONE"]] if "TIMEZONE" in present else None
     if tz is not None and not _valid_timezone(tz):
         r.fail(name("TIMEZONE"), f"unknown IANA timezone {_show(tz)}; use e.g. 'Asia/Shanghai'")
-    if cron is not None and not croniter.is_valid(cron):
-        r.fail(name("CRON"), f"invalid cron expression {_show(cron)}; expected e.g. '0 2 * * *'")
+    if cron is not None and (problem := cron_problem(cron)) is not None:
+        r.fail(name("CRON"), problem)
 
     policy: Policy = fam.policy
     policy_src = ["decorator"]

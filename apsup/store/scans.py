@@ -52,9 +52,19 @@ def ensure_state(conn: Connection, binding: str) -> ScanState:
     return state
 
 
-def start_scan(conn: Connection, binding: str, checkpoint: datetime) -> ScanState:
-    """One transaction: scan_generation + 1, checkpoint, in-progress, upper pending_sequence."""
-    ensure_state(conn, binding)
+def start_scan(
+    conn: Connection, binding: str, checkpoint: datetime, rewound_from: datetime | None = None
+) -> ScanState:
+    """One transaction: scan_generation + 1, checkpoint, in-progress, upper pending_sequence.
+
+    The checkpoint never moves backwards: an earlier one keeps the stored value (the returned
+    state says which). The one exception is ``rewound_from``: a stored checkpoint at or before it
+    was clamped by the scheduler after database time went back, and is replaced.
+    """
+    stored = ensure_state(conn, binding).checkpoint
+    rewinding = rewound_from is not None and stored is not None and stored <= rewound_from
+    if stored is not None and checkpoint <= stored and not rewinding:
+        checkpoint = stored
     upper = max_pending_sequence(conn, binding)
     conn.execute(
         update(binding_states)
