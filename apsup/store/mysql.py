@@ -6,6 +6,9 @@ Dialect facts this module is built on (DESIGN §6, §7):
   row changed after the snapshot fails with 6235).
 - ``NOW(6)`` is fixed at statement start, lock wait included, so expiry is read in a separate
   statement *after* the Lease row lock is held.
+- ``NOW(6)`` is also in the session time zone, and seekdb's default is +08:00: database time is
+  read as ``UTC_TIMESTAMP(6)``, and every session is set to ``+00:00`` on connect so that any
+  other time function or DATETIME conversion on apsup's connections is UTC as well.
 - 1205 (lock wait timeout) rolls back only the statement and 1213 (deadlock) the transaction:
   both are retried as a whole transaction, a bounded number of times. 2013 during COMMIT has an
   unknown outcome and is never blindly retried.
@@ -37,6 +40,8 @@ TRANSACTION_ABORT_CODES = frozenset({1213, 4012, 6002})
 TRANSIENT_CODES = frozenset({1205, 1213, 4012, 6002, 6005, 6213, 6235})
 FENCE_TIMEOUT_SECONDS = 30.0
 FENCE_TIMEOUT_PARAM = "apsup_fence_timeout"
+#: Database time in UTC whatever the server's or the session's time zone (naive, microseconds).
+_UTC_NOW = text("SELECT UTC_TIMESTAMP(6)")
 
 
 def _error_code(exc: DBAPIError) -> int | None:
@@ -74,6 +79,7 @@ class MysqlBackend(SqlBackend):
             # PyMySQL reports "5.7.25" as the server version; VERSION() names OceanBase.
             cur = dbapi_conn.cursor()
             try:
+                cur.execute("SET time_zone = '+00:00'")  # database time is naive UTC
                 cur.execute("SELECT VERSION()")
                 row = cur.fetchone()
                 rec.info["apsup_oceanbase"] = bool(row) and "oceanbase" in str(row[0]).lower()
@@ -106,7 +112,7 @@ class MysqlBackend(SqlBackend):
         return _error_code(exc) in TRANSIENT_CODES
 
     def _db_now(self, conn: Connection) -> datetime:
-        value = conn.execute(text("SELECT NOW(6)")).scalar_one()
+        value = conn.execute(_UTC_NOW).scalar_one()
         assert isinstance(value, datetime)
         return value.replace(tzinfo=None)
 
