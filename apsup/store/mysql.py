@@ -32,7 +32,17 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 
 from apsup.errors import ConfigError
 from apsup.store.base import SqlBackend
-from apsup.store.leases import INVALIDATED, Term, read_lease, take_lease, validate
+from apsup.store.leases import (
+    GLOBAL_KEY,
+    INVALIDATED,
+    Term,
+    is_live,
+    other_mode_keys,
+    read_lease,
+    refuse_mode_conflict,
+    take_lease,
+    validate,
+)
 from apsup.store.schema import leases
 
 #: Errors after which the server has rolled back the whole transaction (not just a statement).
@@ -130,10 +140,18 @@ class MysqlBackend(SqlBackend):
         validate(row, term, self._db_now(conn))
 
     def claim_term(self, key: str, holder_id: str, lease_seconds: float) -> Term | None:
-        """Take the Lease if it is free or expired; takeover always increments generation."""
+        """Take the Lease if it is free or expired; takeover always increments generation.
+
+        Refused (``ModeConflictError``) while a term of the other mode is live: a replica started
+        in ``global`` beside running ``dedicated`` ones (or the reverse) would otherwise hold a
+        second valid term over the same Scopes. An expired term of the other mode is no obstacle:
+        its Workers fail their fenced check by expiry.
+        """
 
         def body(conn: Connection) -> Term | None:
             self._bound(conn)
+            if key != GLOBAL_KEY:
+                read_lease(conn, GLOBAL_KEY, for_update=True)  # lock order: global row first
             row = read_lease(conn, key, for_update=True)
             now = self._db_now(conn)
             expires = now + timedelta(seconds=lease_seconds)
@@ -142,6 +160,8 @@ class MysqlBackend(SqlBackend):
             )
             if not free:
                 return None
+            others = other_mode_keys(conn, key, for_update=True)
+            refuse_mode_conflict(key, [r for r in others if is_live(r, now)])
             return take_lease(conn, key, holder_id, row, expires)
 
         try:

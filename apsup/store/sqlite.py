@@ -22,7 +22,15 @@ from sqlalchemy.exc import DBAPIError
 
 from apsup.errors import ConfigError
 from apsup.store.base import SqlBackend
-from apsup.store.leases import INVALIDATED, Term, read_lease, take_lease, validate
+from apsup.store.leases import (
+    INVALIDATED,
+    Term,
+    invalidate,
+    other_mode_keys,
+    read_lease,
+    take_lease,
+    validate,
+)
 from apsup.store.schema import leases
 
 BUSY_TIMEOUT_SECONDS = 30.0
@@ -175,10 +183,18 @@ class SqliteBackend(SqlBackend):
         validate(read_lease(conn, term.supervisor_key, for_update=False), term, None)
 
     def claim_term(self, key: str, holder_id: str, lease_seconds: float = 0) -> Term:
-        """Legitimate startup: new holder, generation + 1, expires_at NULL."""
+        """Legitimate startup: new holder, generation + 1, expires_at NULL.
+
+        SQLite terms never expire, so the other mode's terms are invalidated in the same
+        transaction: one host (the host lock proves it) restarted in another mode without
+        ``switch-mode`` would otherwise leave the old mode's surviving Workers able to commit.
+        """
 
         def body(conn: Connection) -> Term:
             row = read_lease(conn, key, for_update=False)
+            others = [r.supervisor_key for r in other_mode_keys(conn, key)]
+            if others:
+                invalidate(conn, others, None)
             return take_lease(conn, key, holder_id, row, None)
 
         return self.run(body)
