@@ -1,0 +1,148 @@
+"""The scan's upper bound at 10^4, 10^5 and 10^6 Scopes: ``start_scan`` must stay flat.
+
+``start_scan`` reads the binding's highest ``pending_sequence`` while the SQLite write lock (or,
+on MySQL, the Lease row lock) is held, so its cost delays every Worker's commit. It used to be a
+``MAX`` over the binding (a range scan: 118-203 ms at 10^6 rows); now it is two backwards index
+probes. For each size this fills one binding (half its rows dirty, plus a second binding of the
+same size so the index has neighbours), then times, in a fenced transaction that is rolled back:
+
+- ``start_scan``: the whole control write as the Supervisor runs it;
+- ``old max``: the former ``SELECT MAX(pending_sequence) WHERE binding_name = ?`` for contrast.
+
+It prints the median of ``--repeat`` runs per size and the ratio of the largest to the smallest
+size (flat means close to 1; the old query grows with n).
+
+    .venv/bin/python benchmarks/scan_upper_bound.py [--sizes 10000,100000,1000000]
+        [--db-url mysql+pymysql://...]   # default: a temporary SQLite file per size
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+
+from sqlalchemy import Connection, func, insert, select, text, update
+
+from apsup.store import migrate, open_backend, scans
+from apsup.store.base import SqlBackend
+from apsup.store.leases import GLOBAL_KEY
+from apsup.store.schema import PENDING_SEQUENCE_COUNTER, counters, intents
+
+BINDING = "bench"
+NEIGHBOUR = "bench-neighbour"
+BATCH = 20_000
+
+
+class _Rollback(Exception):
+    pass
+
+
+def _fill(backend: SqlBackend, n: int) -> None:
+    """``n`` Scopes in each of two bindings, sequences interleaved, every second one dirty."""
+    seq = 0
+    for start in range(0, n, BATCH):
+        rows = []
+        for k in range(start, min(n, start + BATCH)):
+            for binding in (BINDING, NEIGHBOUR):
+                seq += 1
+                rows.append(
+                    {
+                        "binding_name": binding,
+                        "scope_id": f"scope-{k:08d}",
+                        "pending_sequence": seq,
+                        "dirty_generation": k % 2,
+                    }
+                )
+        with backend.transaction() as conn:
+            conn.execute(insert(intents), rows)
+    with backend.transaction() as conn:
+        conn.execute(
+            update(counters).where(counters.c.name == PENDING_SEQUENCE_COUNTER).values(value=seq)
+        )
+    if backend.name == "sqlite":
+        with backend.engine.connect() as conn:
+            conn.exec_driver_sql("ANALYZE")
+
+
+def _old_max(conn: Connection) -> None:
+    conn.execute(
+        select(func.max(intents.c.pending_sequence)).where(intents.c.binding_name == BINDING)
+    ).scalar_one()
+
+
+def _time(backend: SqlBackend, fn: Callable[[Connection], object], repeat: int) -> float:
+    term = backend.claim_term(GLOBAL_KEY, "bench", 600)
+    assert term is not None
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        try:
+            with backend.fenced(term) as conn:
+                fn(conn)
+                samples.append(time.perf_counter() - t0)
+                raise _Rollback
+        except _Rollback:
+            pass
+    return statistics.median(samples)
+
+
+def _reset_mysql(url: str) -> None:
+    backend = open_backend(url)
+    try:
+        with backend.engine.begin() as conn:
+            for table in ("intents", "binding_states", "leases"):
+                conn.execute(text(f"DELETE FROM pc_artifact_processing_{table}"))
+    finally:
+        backend.dispose()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="10000,100000,1000000")
+    parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--db-url", help="a migrated-or-empty MySQL database (emptied per size)")
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    results: dict[int, tuple[float, float]] = {}
+    checkpoint = datetime(2026, 1, 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in sizes:
+            url = args.db_url or f"sqlite:///{Path(tmp) / f'scan-{n}.db'}"
+            migrate(url)
+            if args.db_url:
+                _reset_mysql(url)
+            backend = open_backend(url)
+            try:
+                t0 = time.perf_counter()
+                _fill(backend, n)
+                filled = time.perf_counter() - t0
+                start = _time(
+                    backend, lambda c: scans.start_scan(c, BINDING, checkpoint), args.repeat
+                )
+                old = _time(backend, _old_max, args.repeat)
+                results[n] = (start, old)
+                with backend.read() as conn:
+                    upper = scans.scan_upper_bound(conn, BINDING)
+                print(
+                    f"{backend.name:6} n={n:>9,}  start_scan {start * 1e3:8.3f} ms   "
+                    f"old max {old * 1e3:8.3f} ms   upper={upper}  (filled in {filled:.0f} s)",
+                    flush=True,
+                )
+            finally:
+                backend.dispose()
+    small, large = min(results), max(results)
+    print(
+        f"ratio n={large:,} / n={small:,}: start_scan {results[large][0] / results[small][0]:.2f}"
+        f"   old max {results[large][1] / results[small][1]:.2f}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
