@@ -37,6 +37,7 @@ from apsup.store.schema import PENDING_SEQUENCE_COUNTER, counters, intents
 BINDING = "bench"
 NEIGHBOUR = "bench-neighbour"
 BATCH = 20_000
+WARMUP = 5
 
 
 class _Rollback(Exception):
@@ -79,17 +80,20 @@ def _old_max(conn: Connection) -> None:
 def _time(backend: SqlBackend, fn: Callable[[Connection], object], repeat: int) -> float:
     term = backend.claim_term(GLOBAL_KEY, "bench", 600)
     assert term is not None
-    samples = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        try:
-            with backend.fenced(term) as conn:
-                fn(conn)
-                samples.append(time.perf_counter() - t0)
-                raise _Rollback
-        except _Rollback:
-            pass
-    return statistics.median(samples)
+    samples: list[float] = []
+    try:
+        for _ in range(WARMUP + repeat):
+            t0 = time.perf_counter()
+            try:
+                with backend.fenced(term) as conn:
+                    fn(conn)
+                    samples.append(time.perf_counter() - t0)
+                    raise _Rollback
+            except _Rollback:
+                pass
+    finally:
+        backend.release_term(term)
+    return statistics.median(samples[WARMUP:])  # the first runs fill statement caches
 
 
 def _reset_mysql(url: str) -> None:

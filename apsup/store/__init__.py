@@ -38,13 +38,15 @@ def backend_kind(url: str) -> str:
     raise ConfigError(f"unsupported database backend {name!r}: use sqlite or mysql (OceanBase)")
 
 
-def open_backend(url: str) -> SqlBackend:
-    """The backend for ``url`` (schema must exist: see ``migrate``)."""
+def open_backend(url: str, *, create: bool = False) -> SqlBackend:
+    """The backend for ``url`` (schema must exist: see ``migrate``). A SQLite file (and its
+    directory) is created only with ``create=True``, which ``migrate`` passes: a mistyped path
+    given to ``run`` or ``trigger`` is refused instead of becoming a new empty database."""
     kind = backend_kind(url)
     if kind == "sqlite":
         from apsup.store.sqlite import SqliteBackend
 
-        return SqliteBackend(url)
+        return SqliteBackend(url, create=create)
     from apsup.store.mysql import MysqlBackend
 
     return MysqlBackend(url)
@@ -73,7 +75,7 @@ def migrate(url: str, revision: str = "head") -> None:
     from alembic import command
     from alembic.config import Config
 
-    backend = open_backend(url)
+    backend = open_backend(url, create=True)
     try:
         cfg = Config()
         cfg.set_main_option("script_location", str(migrations_dir()))

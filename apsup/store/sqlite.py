@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import random
 import sqlite3
+import stat
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -51,12 +52,60 @@ def database_path(url: str) -> Path | None:
 
 def _create_private(path: Path) -> None:
     """Create the database file 0600 so -wal/-shm (which copy its mode) are private too."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     except FileExistsError:
         return
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot create the SQLite database {path}: {exc.strerror}; point the database "
+            "URL (--db or DATABASE_URL) at a writable directory"
+        ) from None
     os.close(fd)
+
+
+_SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def _check_existing(path: Path, *, allow_empty: bool) -> None:
+    """Refuse, before anything is created or opened, a path that is no usable database file:
+    a missing one (``apsup migrate`` creates it), a directory, or a file of another kind (a
+    /proc entry, a text file), which SQLite would only reject deep inside the first query."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        if not path.parent.is_dir():
+            raise ConfigError(
+                f"the SQLite database {path} does not exist, nor does its directory: fix the "
+                "database URL (--db or DATABASE_URL)"
+            ) from None
+        raise ConfigError(
+            f"the SQLite database {path} does not exist: run `apsup migrate` to create it, or "
+            "fix the database URL (--db or DATABASE_URL)"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"the SQLite database {path} is not accessible: {exc.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        raise ConfigError(
+            f"the SQLite database path {path} is {kind}: point the database URL (--db or "
+            "DATABASE_URL) at a database file, e.g. sqlite:////var/lib/apsup/apsup.db"
+        )
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(len(_SQLITE_HEADER))
+    except OSError as exc:
+        raise ConfigError(f"the SQLite database {path} is not readable: {exc.strerror}") from None
+    if not head and not allow_empty:
+        raise ConfigError(
+            f"the SQLite database {path} is empty (no apsup schema): run `apsup migrate` first"
+        )
+    if head and head != _SQLITE_HEADER:
+        raise ConfigError(
+            f"{path} is not a SQLite database: point the database URL (--db or DATABASE_URL) "
+            "at the apsup database file"
+        )
 
 
 def shared_mode(path: Path) -> int | None:
@@ -117,6 +166,7 @@ class SqliteBackend(SqlBackend):
         *,
         synchronous: str = "FULL",
         busy_timeout: float = BUSY_TIMEOUT_SECONDS,
+        create: bool = False,
     ) -> None:
         super().__init__(url)
         self.path = database_path(url)
@@ -125,7 +175,9 @@ class SqliteBackend(SqlBackend):
                 "apsup needs a SQLite database file shared with Worker processes; "
                 "use sqlite:////absolute/path/apsup.db, not an in-memory database"
             )
-        _create_private(self.path)
+        if create:  # ``apsup migrate`` only: everything else needs an existing database
+            _create_private(self.path)
+        _check_existing(self.path, allow_empty=create)
         self.busy_timeout = busy_timeout
         self.engine = create_engine(url, connect_args={"timeout": busy_timeout})
         self.read_engine = self.engine.execution_options(**{_READONLY: True})
