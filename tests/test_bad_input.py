@@ -67,13 +67,20 @@ def test_a_missing_directory_is_refused_and_not_created(tmp_path: Path, command:
 
 @pytest.mark.parametrize(
     ("path", "says"),
-    [("{tmp}", "is a directory"), ("/proc/self/status", "not a SQLite database")],
+    [
+        ("{tmp}", "is a directory"),
+        ("/proc/self/status", "not a regular database file"),
+        ("{tmp}/notes.txt", "not a SQLite database"),
+    ],
 )
 def test_a_path_that_is_no_database_file_is_refused(tmp_path: Path, path: str, says: str) -> None:
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a database\n")
     url = "sqlite:///" + path.format(tmp=tmp_path)
     for args in (["trigger", *APP, "--db", url, FAMILY, "s"], ["run", *APP, "--db", url]):
         _refused(apsup(*args), says)
-    assert list(tmp_path.iterdir()) == []
+    assert list(tmp_path.iterdir()) == [notes]
+    assert notes.read_text() == "not a database\n"
 
 
 def test_trigger_on_an_unmigrated_database_names_migrate(tmp_path: Path) -> None:

@@ -65,13 +65,19 @@ def _create_private(path: Path) -> None:
     os.close(fd)
 
 
-_SQLITE_HEADER = b"SQLite format 3\x00"
+#: Pseudo file systems whose entries look like empty regular files but are never databases.
+_PSEUDO_ROOTS = (Path("/proc"), Path("/sys"), Path("/dev"))
 
 
 def _check_existing(path: Path, *, allow_empty: bool) -> None:
     """Refuse, before anything is created or opened, a path that is no usable database file:
-    a missing one (``apsup migrate`` creates it), a directory, or a file of another kind (a
-    /proc entry, a text file), which SQLite would only reject deep inside the first query."""
+    a missing one (``apsup migrate`` creates it), a directory, a /proc entry, or an empty file.
+
+    Only ``stat``: opening and closing the file here would drop every POSIX lock that SQLite
+    connections of this same process hold on it (closing any descriptor of a file releases
+    them all), which breaks SQLite's locking for the other connections. A non-empty file that
+    is not a database is refused on first connect instead (``_on_first_connect``).
+    """
     try:
         st = path.stat()
     except FileNotFoundError:
@@ -86,25 +92,16 @@ def _check_existing(path: Path, *, allow_empty: bool) -> None:
         ) from None
     except OSError as exc:
         raise ConfigError(f"the SQLite database {path} is not accessible: {exc.strerror}") from None
-    if not stat.S_ISREG(st.st_mode):
-        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+    pseudo = any(path.is_relative_to(root) for root in _PSEUDO_ROOTS)
+    if not stat.S_ISREG(st.st_mode) or pseudo:
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular database file"
         raise ConfigError(
             f"the SQLite database path {path} is {kind}: point the database URL (--db or "
             "DATABASE_URL) at a database file, e.g. sqlite:////var/lib/apsup/apsup.db"
         )
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(len(_SQLITE_HEADER))
-    except OSError as exc:
-        raise ConfigError(f"the SQLite database {path} is not readable: {exc.strerror}") from None
-    if not head and not allow_empty:
+    if st.st_size == 0 and not allow_empty:
         raise ConfigError(
             f"the SQLite database {path} is empty (no apsup schema): run `apsup migrate` first"
-        )
-    if head and head != _SQLITE_HEADER:
-        raise ConfigError(
-            f"{path} is not a SQLite database: point the database URL (--db or DATABASE_URL) "
-            "at the apsup database file"
         )
 
 
@@ -186,7 +183,15 @@ class SqliteBackend(SqlBackend):
         def _on_first_connect(dbapi_conn: Any, _rec: Any) -> None:
             # WAL is a property of the file, kept across connections and restarts: once per
             # engine is enough, and a Worker inherits an engine that has already done it.
-            dbapi_conn.execute("PRAGMA journal_mode=WAL").fetchall()
+            try:
+                dbapi_conn.execute("PRAGMA journal_mode=WAL").fetchall()
+            except sqlite3.DatabaseError as exc:
+                if "not a database" not in str(exc):
+                    raise
+                raise ConfigError(
+                    f"{self.path} is not a SQLite database: point the database URL (--db or "
+                    "DATABASE_URL) at the apsup database file"
+                ) from None
 
         @event.listens_for(self.engine, "connect")
         def _on_connect(dbapi_conn: Any, _rec: Any) -> None:
