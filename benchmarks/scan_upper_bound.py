@@ -13,7 +13,7 @@ It prints the median of ``--repeat`` runs per size and the ratio of the largest 
 size (flat means close to 1; the old query grows with n).
 
     .venv/bin/python benchmarks/scan_upper_bound.py [--sizes 10000,100000,1000000]
-        [--db-url mysql+pymysql://...]   # default: a temporary SQLite file per size
+        [--db-url mysql+pymysql://.../bench]   # default: a temporary SQLite file per size
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
-from sqlalchemy import Connection, func, insert, select, text, update
+from sqlalchemy import Connection, create_engine, func, insert, select, update
+from sqlalchemy.engine import make_url
 
 from apsup.store import migrate, open_backend, scans
 from apsup.store.base import SqlBackend
@@ -96,31 +97,49 @@ def _time(backend: SqlBackend, fn: Callable[[Connection], object], repeat: int) 
     return statistics.median(samples[WARMUP:])  # the first runs fill statement caches
 
 
-def _reset_mysql(url: str) -> None:
-    backend = open_backend(url)
+def _fresh_mysql(url: str, n: int) -> str:
+    """A new, empty database ``<name>_<n>`` beside the one named by ``url`` (a bulk DELETE of
+    the previous size would exceed OceanBase's statement timeout)."""
+    base = make_url(url)
+    name = f"{base.database}_{n}"
+    admin = create_engine(base.set(database=""))
     try:
-        with backend.engine.begin() as conn:
-            for table in ("intents", "binding_states", "leases"):
-                conn.execute(text(f"DELETE FROM pc_artifact_processing_{table}"))
+        with admin.begin() as conn:
+            conn.exec_driver_sql(f"DROP DATABASE IF EXISTS `{name}`")
+            conn.exec_driver_sql(f"CREATE DATABASE `{name}`")
     finally:
-        backend.dispose()
+        admin.dispose()
+    return base.set(database=name).render_as_string(hide_password=False)
+
+
+def _drop_mysql(url: str) -> None:
+    u = make_url(url)
+    admin = create_engine(u.set(database=""))
+    try:
+        with admin.begin() as conn:
+            conn.exec_driver_sql(f"DROP DATABASE IF EXISTS `{u.database}`")
+    finally:
+        admin.dispose()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="10000,100000,1000000")
     parser.add_argument("--repeat", type=int, default=30)
-    parser.add_argument("--db-url", help="a migrated-or-empty MySQL database (emptied per size)")
+    parser.add_argument(
+        "--db-url", help="MySQL URL; each size runs in a new database <name>_<n> beside it"
+    )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     results: dict[int, tuple[float, float]] = {}
     checkpoint = datetime(2026, 1, 1)
     with tempfile.TemporaryDirectory() as tmp:
         for n in sizes:
-            url = args.db_url or f"sqlite:///{Path(tmp) / f'scan-{n}.db'}"
-            migrate(url)
             if args.db_url:
-                _reset_mysql(url)
+                url = _fresh_mysql(args.db_url, n)
+            else:
+                url = f"sqlite:///{Path(tmp) / f'scan-{n}.db'}"
+            migrate(url)
             backend = open_backend(url)
             try:
                 t0 = time.perf_counter()
@@ -140,6 +159,8 @@ def main() -> int:
                 )
             finally:
                 backend.dispose()
+                if args.db_url:
+                    _drop_mysql(url)
     small, large = min(results), max(results)
     print(
         f"ratio n={large:,} / n={small:,}: start_scan {results[large][0] / results[small][0]:.2f}"
