@@ -7,6 +7,7 @@ probes. For each size this fills one binding (half its rows dirty, plus a second
 same size so the index has neighbours), then times, in a fenced transaction that is rolled back:
 
 - ``start_scan``: the whole control write as the Supervisor runs it;
+- ``upper bound``: ``scans.scan_upper_bound`` alone (the two index probes);
 - ``old max``: the former ``SELECT MAX(pending_sequence) WHERE binding_name = ?`` for contrast.
 
 It prints the median of ``--repeat`` runs per size and the ratio of the largest to the smallest
@@ -131,7 +132,7 @@ def main() -> int:
     )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    results: dict[int, tuple[float, float]] = {}
+    results: dict[int, tuple[float, float, float]] = {}
     checkpoint = datetime(2026, 1, 1)
     with tempfile.TemporaryDirectory() as tmp:
         for n in sizes:
@@ -149,12 +150,14 @@ def main() -> int:
                     backend, lambda c: scans.start_scan(c, BINDING, checkpoint), args.repeat
                 )
                 old = _time(backend, _old_max, args.repeat)
-                results[n] = (start, old)
+                probe = _time(backend, lambda c: scans.scan_upper_bound(c, BINDING), args.repeat)
+                results[n] = (start, old, probe)
                 with backend.read() as conn:
                     upper = scans.scan_upper_bound(conn, BINDING)
                 print(
                     f"{backend.name:6} n={n:>9,}  start_scan {start * 1e3:8.3f} ms   "
-                    f"old max {old * 1e3:8.3f} ms   upper={upper}  (filled in {filled:.0f} s)",
+                    f"upper bound {probe * 1e3:7.3f} ms   old max {old * 1e3:8.3f} ms   "
+                    f"upper={upper}  (filled in {filled:.0f} s)",
                     flush=True,
                 )
             finally:
@@ -162,9 +165,10 @@ def main() -> int:
                 if args.db_url:
                     _drop_mysql(url)
     small, large = min(results), max(results)
+    ratio = [results[large][k] / results[small][k] for k in range(3)]
     print(
-        f"ratio n={large:,} / n={small:,}: start_scan {results[large][0] / results[small][0]:.2f}"
-        f"   old max {results[large][1] / results[small][1]:.2f}"
+        f"ratio n={large:,} / n={small:,}: start_scan {ratio[0]:.2f}   "
+        f"upper bound {ratio[2]:.2f}   old max {ratio[1]:.2f}"
     )
     return 0
 
