@@ -239,6 +239,12 @@ class _Family:
     def has_room(self) -> bool:
         return len(self.ready) < self.limit
 
+    def can_start_scan(self) -> bool:
+        """A due check starts only with a Worker free for it (RFC §2, §4): busy Workers skip the
+        check, so the checkpoint does not advance and no check is pretended; the Worker exit
+        that frees one is the event that starts the check, at once."""
+        return self.running + len(self.ready) < self.budget
+
     def next_due(self, now: datetime) -> datetime | None:
         """``policy.next_due(checkpoint, now)``, memoised per checkpoint.
 
@@ -446,7 +452,12 @@ class Scheduler:
             requests = FetchRequests(
                 f.name, f.request_pass.after_sequence, min(f.spec.page_size, wanted)
             )
-        scan_due = scan is None and (due := f.next_due(now)) is not None and due <= now
+        scan_due = (
+            scan is None
+            and f.can_start_scan()
+            and (due := f.next_due(now)) is not None
+            and due <= now
+        )
         if requests is not None and (f.requests_turn or (scan is None and not scan_due)):
             return requests  # request discovery and the scan take turns
         if scan is not None:
@@ -732,7 +743,7 @@ class Scheduler:
                 continue  # time cannot create ready room; an exit or dispatch will
             if f.waiting:
                 consider(max(f.waiting[0][0], now))
-            if f.scan is None:
+            if f.scan is None and f.can_start_scan():  # else a Worker exit wakes us
                 due = f.next_due(now)
                 if due is not None:
                     consider(max(due, now))
