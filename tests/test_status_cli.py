@@ -325,7 +325,7 @@ def test_missing_or_unmigrated_database_exits_2(db_url: str, backend_name: str) 
         assert code == 2 and out == ""
         assert "no database at" in err and "apsup migrate" in err
         assert not path.exists(), "status must not create the database"
-        open_backend(db_url).dispose()  # an empty file: exists, but has no schema
+        open_backend(db_url, create=True).dispose()  # an empty file: exists, but has no schema
         ((code, out, err),) = run_all(["--db", db_url, "--json"])
     else:
         missing = make_url(db_url).set(database="apsup_no_such_db")

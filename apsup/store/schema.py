@@ -28,6 +28,8 @@ from sqlalchemy.dialects import mysql
 from sqlalchemy.engine import Dialect
 from sqlalchemy.types import TypeEngine
 
+from apsup.store.compat import aiomysql_bytes
+
 metadata = MetaData()
 
 #: Microsecond precision on MySQL/OceanBase (plain DATETIME truncates to seconds there).
@@ -62,6 +64,8 @@ class Identifier(TypeDecorator[str]):
 
     def process_bind_param(self, value: object, dialect: Dialect) -> object:
         if dialect.name == "mysql" and isinstance(value, str):
+            if dialect.driver == "aiomysql":
+                aiomysql_bytes()
             return value.encode("utf-8")
         return value
 

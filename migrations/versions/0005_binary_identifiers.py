@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 import sqlalchemy as sa
-from alembic import op
+from alembic import context, op
 
 from apsup.errors import ConfigError
 
@@ -143,6 +143,8 @@ def _check(conn: Any, text_tables: dict[str, list[tuple[str, int, bool]]]) -> li
 
 
 def upgrade() -> None:
+    if context.is_offline_mode():
+        return  # `--sql` prints DDL for a new database: apsup_0001 creates binary columns already
     conn = op.get_bind()
     if conn.dialect.name != "mysql":
         return  # SQLite's default collation is byte-exact
