@@ -53,6 +53,7 @@ from apsup.errors import ConfigError
 from apsup.policy import Cron, Disabled, Policy
 from apsup.registry import Family, Registry, default_registry, make_policy
 from apsup.store import backend_kind, redact_url
+from apsup.store.limits import parse_limits
 
 __all__ = [
     "ALIASES",
@@ -563,6 +564,10 @@ def _database(r: _Reader, role: str | None) -> tuple[str, str]:
     except ConfigError as exc:
         r.fail("DATABASE_URL", str(exc))
         return url, "invalid"
+    try:
+        parse_limits(url)  # the host's time limits on database calls
+    except ConfigError as exc:
+        r.fail("DATABASE_URL", str(exc))
     if kind != "sqlite":
         return url, kind
     parsed = make_url(url)

@@ -38,16 +38,20 @@ def backend_kind(url: str) -> str:
     raise ConfigError(f"unsupported database backend {name!r}: use sqlite or mysql (OceanBase)")
 
 
-def open_backend(url: str) -> SqlBackend:
-    """The backend for ``url`` (schema must exist: see ``migrate``)."""
+def open_backend(url: str, *, control: bool = False) -> SqlBackend:
+    """The backend for ``url`` (schema must exist: see ``migrate``).
+
+    ``control``: the host's own backend, whose every call is time-limited
+    (``apsup.store.limits``); Workers and CLI commands use the default.
+    """
     kind = backend_kind(url)
     if kind == "sqlite":
         from apsup.store.sqlite import SqliteBackend
 
-        return SqliteBackend(url)
+        return SqliteBackend(url, control=control)
     from apsup.store.mysql import MysqlBackend
 
-    return MysqlBackend(url)
+    return MysqlBackend(url, control=control)
 
 
 def worker_preload(url: str) -> list[str]:

@@ -162,7 +162,8 @@ class Host:
                 sup.notify_all()  # bounded polling for cross-process requests
         self._maintain_leases(now)
         for sup in self.supervisors:
-            sup.step()
+            # Discovery yields to the next renewal (each statement is time-limited).
+            sup.step(until=self._next_renew if self.elected else None)
         if self.on_cycle is not None:
             self.on_cycle(self)
         self._sleep(max_wait)

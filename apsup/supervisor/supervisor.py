@@ -195,10 +195,16 @@ class Supervisor:
         self.core = None
 
     # -- the decision loop -----------------------------------------------------------------
-    def step(self, max_steps: int = 256) -> int:
-        """Execute decisions until the core has none due now; returns how many ran."""
+    def step(self, max_steps: int = 256, until: float | None = None) -> int:
+        """Execute decisions until the core has none due now; returns how many ran.
+
+        ``until`` (monotonic): stop early once it has passed, so lease renewal is never queued
+        behind a long run of discovery statements (the host calls again right after renewing).
+        """
         done = 0
         while done < max_steps and self.core is not None and self.term is not None:
+            if until is not None and done and time.monotonic() >= until:
+                break
             decision = self.core.decide(self.now())
             if decision is None:
                 break

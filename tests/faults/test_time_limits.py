@@ -1,0 +1,178 @@
+"""Finite time limits on the host's database calls: a half-open connection, a slow statement or a
+Worker holding the SQLite write lock delays one call by a bounded time, never forever."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.exc import DBAPIError
+
+from apsup.config import InvalidSettings, Settings
+from apsup.errors import ApsupError, ConfigError
+from apsup.registry import Registry
+from apsup.store import SqlBackend, migrate, open_backend
+from apsup.store.leases import new_holder_id
+from apsup.store.limits import parse_limits
+from tests.faults.proxy import FaultProxy
+
+PREFIX = "POWERCONTEXT_SERVER_RUNTIME_"
+
+
+def _with(url: str, **params: float) -> str:
+    sep = "&" if "?" in url else "?"
+    return url + sep + "&".join(f"apsup_{k}={v}" for k, v in params.items())
+
+
+def _outcome(fn: Callable[[], Any], bound: float) -> tuple[float, BaseException | None]:
+    """Run ``fn`` in a thread; (seconds it took, what it raised). Fails if it outlives
+    ``bound``: on the code before the limits this call never returned."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        t0 = time.monotonic()
+        try:
+            fn()
+        except BaseException as exc:
+            box["exc"] = exc
+        box["took"] = time.monotonic() - t0
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(bound)
+    assert not thread.is_alive(), f"database call still blocked after {bound:g}s"
+    return box["took"], box.get("exc")
+
+
+@pytest.fixture
+def proxied(db_url: str) -> Iterator[tuple[FaultProxy, str]]:
+    migrate(db_url)
+    with FaultProxy.for_url(db_url) as proxy:
+        yield proxy, proxy.url(db_url)
+
+
+@pytest.mark.backends("mysql")
+def test_half_open_connection_ends_within_the_read_timeout(
+    proxied: tuple[FaultProxy, str],
+) -> None:
+    proxy, url = proxied
+    backend = open_backend(
+        _with(url, connect_timeout=1, read_timeout=1.5, query_timeout=0.5), control=True
+    )
+    try:
+        term = backend.claim_term("global", new_holder_id(), 30)
+        assert term is not None
+        # Pooled connections go half-open: the renewal's reply never comes.
+        proxy.blackhole()
+        took, exc = _outcome(lambda: backend.renew_term(term, 30), bound=20)
+        assert isinstance(exc, DBAPIError | ApsupError), exc
+        assert took < 8, took
+        # New connections too: the server's greeting never arrives.
+        backend.engine.dispose()
+        took, exc = _outcome(backend.now, bound=20)
+        assert isinstance(exc, DBAPIError | ApsupError), exc
+        assert took < 8, took
+        proxy.heal()
+        assert backend.renew_term(term, 30) is True  # service resumes on fresh connections
+    finally:
+        backend.dispose()
+
+
+@pytest.mark.backends("mysql")
+def test_the_server_ends_a_slow_statement_first(db_url: str) -> None:
+    migrate(db_url)
+    backend = open_backend(_with(db_url, read_timeout=5, query_timeout=0.5), control=True)
+    try:
+
+        def slow() -> None:
+            with backend.read() as conn:
+                conn.execute(text("SELECT SLEEP(3)")).fetchall()
+
+        took, exc = _outcome(slow, bound=20)
+        assert isinstance(exc, DBAPIError), exc
+        assert exc.orig.args[0] == 4012, exc  # OceanBase: query reached ob_query_timeout
+        assert took < 2.5, took
+    finally:
+        backend.dispose()
+    # Worker connections keep the server's own limits.
+    worker = open_backend(_with(db_url, read_timeout=5, query_timeout=0.5))
+    try:
+        with worker.read() as conn:
+            assert conn.execute(text("SELECT SLEEP(1)")).scalar_one() == 0
+    finally:
+        worker.dispose()
+
+
+_HOLD_LOCK = """
+import sqlite3, sys, time
+conn = sqlite3.connect(sys.argv[1], isolation_level=None)
+conn.execute("BEGIN IMMEDIATE")
+conn.execute("CREATE TABLE IF NOT EXISTS apsup_lock_probe (x INTEGER)")
+print("locked", flush=True)
+time.sleep(float(sys.argv[2]))
+conn.execute("COMMIT")
+"""
+
+
+@pytest.mark.backends("sqlite")
+def test_sqlite_control_write_waits_a_bounded_time_behind_a_workers_lock(
+    db_url: str, tmp_path: Path
+) -> None:
+    migrate(db_url)
+    backend: SqlBackend = open_backend(_with(db_url, lock_wait=1), control=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LOCK, db_url.removeprefix("sqlite:///"), "30"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        # Before the limits: 6 attempts x 30 s busy wait = 3 minutes on the loop thread.
+        took, exc = _outcome(lambda: backend.claim_term("global", new_holder_id(), 0), bound=60)
+        assert exc is not None and "locked" in str(exc).lower() + str(exc.__cause__).lower()
+        assert took < 5, took
+    finally:
+        holder.kill()
+        holder.wait()
+    assert backend.claim_term("global", new_holder_id(), 0) is not None  # lock gone: it works
+    backend.dispose()
+
+
+def test_limits_parse_with_defaults_and_reject_bad_values() -> None:
+    d = parse_limits("mysql+pymysql://u@h/db")
+    assert (d.connect_timeout, d.read_timeout, d.query_timeout, d.lock_wait) == (5, 10, 5, 2)
+    got = parse_limits("mysql+pymysql://u@h/db?apsup_read_timeout=3&apsup_query_timeout=0")
+    assert got.read_timeout == 3 and got.query_timeout == 0
+    for bad in (
+        "apsup_read_timeout=soon",
+        "apsup_read_timeout=0",
+        "apsup_connect_timeout=-1",
+        "apsup_lock_wait=inf",
+        "apsup_query_timeout=12",  # not shorter than the read timeout (10)
+    ):
+        with pytest.raises(ConfigError, match=bad.split("=")[0]):
+            parse_limits(f"mysql+pymysql://u@h/db?{bad}")
+
+
+def test_bad_limit_in_the_database_url_is_a_configuration_error(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'a.db'}?apsup_lock_wait=forever"
+    with pytest.raises(InvalidSettings) as err:
+        Settings.load(Registry(), {PREFIX + "DATABASE_URL": url})
+    assert "DATABASE_URL" in str(err.value) and "apsup_lock_wait" in str(err.value)
+    out = subprocess.run(
+        [sys.executable, "-m", "apsup.cli", "check-config", "--app", "apsup.families.profile"],
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", PREFIX + "DATABASE_URL": url},
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "apsup_lock_wait" in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "a.db").exists()  # nothing created
