@@ -203,6 +203,7 @@ class HostObserver:
         sups: list[SupervisorStatus] = []
         for sup in host.supervisors:
             snaps = sup.core.snapshot() if sup.core is not None else {}
+            unconfirmed = sup.unconfirmed()
             families: dict[str, FamilyStatus] = {}
             for name, fam in sup.families.items():
                 snap = snaps.get(name)
@@ -235,9 +236,11 @@ class HostObserver:
                     "next_retry_at": _iso(snap.next_retry_at) if snap is not None else None,
                     "due_at": _iso(snap.due_at) if snap is not None else None,
                     "unacknowledged": self._unacked.get(name),
+                    "unconfirmed": unconfirmed.get(name, 0),
                     "policy": fam.policy.describe(),
                 }
                 self.metrics.update_family(name, fam.max_workers, running, ready, retry_wait)
+                self.metrics.set_unconfirmed(name, unconfirmed.get(name, 0))
             term = sup.term
             holder, generation = self._lease_view.get(sup.key, (None, None))  # type: ignore[arg-type]
             if term is not None:

@@ -366,8 +366,8 @@ class Supervisor:
         cause: str | None
         if ex.timed_out:
             outcome, cause = Outcome.TIMEOUT, "timeout"
-        elif ex.exitcode == ExitCode.SUCCESS and handled:
-            outcome, cause = Outcome.SUCCESS, None
+        elif ex.exitcode in (ExitCode.SUCCESS, ExitCode.STATUS_LOST) and handled:
+            outcome, cause = Outcome.SUCCESS, None  # STATUS_LOST: the durable ack decides
         elif ex.exitcode == ExitCode.SUCCESS:
             outcome, cause = Outcome.FAILURE, "no_ack"  # exit 0 without durable ack
         elif ex.exitcode == ExitCode.PROGRESS_CONFLICT:
@@ -412,6 +412,15 @@ class Supervisor:
                     ),
                 },
             )
+
+    def unconfirmed(self) -> dict[str, int]:
+        """Per family: Workers of ours whose exit the pool cannot confirm (yet)."""
+        counts = dict.fromkeys(self.families, 0)
+        for handle in self.pool.unconfirmed():
+            inv = self.running.get(handle.worker_id)
+            if inv is not None:
+                counts[inv.family.name] += 1
+        return counts
 
     def _term_still_valid(self) -> bool:
         """Ask the database whether our term still stands (a Worker reported it stale)."""
