@@ -12,6 +12,9 @@ code  name                        Supervisor reaction
 3     PROGRESS_CONFLICT           processor's own CAS lost a race: fixed short redispatch delay
 4     STALE_TERM                  the dispatching term is gone: control event, no failure counted
 5     TERMINATED                  stopped gracefully by the first SIGTERM (timeout or shutdown)
+6     STORAGE_FULL                the database could not write: disk full     } infrastructure:
+7     STORAGE_READ_ONLY           the database could not write: read-only     } short fixed retry,
+8     STORAGE_IO                  the database could not write: I/O error     } no backoff growth
 143   FORCED_EXIT                 second SIGTERM during graceful cleanup: ``os._exit(143)``
 255   STATUS_LOST                 gone, status lost with the forkserver: the intent row decides
 -15   KILLED_SIGTERM              SIGTERM hit before the child installed its handler
@@ -45,6 +48,9 @@ class ExitCode(IntEnum):
     PROGRESS_CONFLICT = 3
     STALE_TERM = 4
     TERMINATED = 5
+    STORAGE_FULL = 6
+    STORAGE_READ_ONLY = 7
+    STORAGE_IO = 8
     FORCED_EXIT = 128 + signal.SIGTERM
     STATUS_LOST = 255
     KILLED_SIGTERM = -signal.SIGTERM
@@ -63,3 +69,16 @@ def describe(exitcode: int) -> str:
         except ValueError:
             return f"signal {-exitcode}"
     return f"exit {exitcode}"
+
+
+#: Storage-level failure kinds (``apsup.store.storage``) by exit code, and back.
+STORAGE_EXITS: dict[int, str] = {
+    ExitCode.STORAGE_FULL: "full",
+    ExitCode.STORAGE_READ_ONLY: "read_only",
+    ExitCode.STORAGE_IO: "io",
+}
+STORAGE_EXIT_CODES: dict[str, ExitCode] = {
+    "full": ExitCode.STORAGE_FULL,
+    "read_only": ExitCode.STORAGE_READ_ONLY,
+    "io": ExitCode.STORAGE_IO,
+}

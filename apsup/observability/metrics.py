@@ -58,6 +58,7 @@ class FailureCause(StrEnum):
     STALE_TERM = "stale_term"  # fenced commit refused: the term changed
     NO_ACK = "no_ack"  # exit 0 without durable acknowledgment
     CRASH = "crash"  # killed by a signal / vanished
+    STORAGE = "storage"  # the database refused the write (disk full, read-only, I/O error)
 
 
 def supervisor_port(base_port: int, index: int | None) -> int:

@@ -108,6 +108,9 @@ class MetricsHooks(Hooks):
     def observe_discovery(self, family: str, seconds: float) -> None:
         self.metrics.observe_discovery(family, seconds)
 
+    def on_storage_error(self, family: str, kind: str) -> None:
+        self.metrics.on_storage_error(family, kind)
+
 
 def _iso(value: Any) -> str | None:
     return None if value is None else value.isoformat() + "Z"
@@ -213,13 +216,15 @@ class HostObserver:
                     status, reason = "disabled", "automatic admission disabled"
                 failed = (
                     name in sup.degraded
+                    or name in sup.storage_unavailable
                     or name in sup.unreconciled
                     or (snap is not None and snap.degraded)
                 )
                 if sup.term is not None and failed:
                     status = "degraded"
                     reason = (
-                        sup.degraded.get(name)
+                        sup.storage_unavailable.get(name)
+                        or sup.degraded.get(name)
                         or sup.unreconciled.get(name)
                         or (snap.last_error_stage if snap is not None else None)
                     )

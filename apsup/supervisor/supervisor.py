@@ -38,7 +38,8 @@ from apsup.scheduling import (
 )
 from apsup.store import SqlBackend, intents, scans
 from apsup.store.leases import Term
-from apsup.workers.exit_codes import ExitCode
+from apsup.store.storage import DESCRIBE, storage_error_kind
+from apsup.workers.exit_codes import STORAGE_EXITS, ExitCode
 from apsup.workers.invoke import TARGET
 from apsup.workers.pool import WorkerExit, WorkerPool
 
@@ -71,6 +72,7 @@ class Hooks:
     def on_scan_started(self, family: str) -> None: ...
     def on_scan_completed(self, family: str) -> None: ...
     def observe_discovery(self, family: str, seconds: float) -> None: ...
+    def on_storage_error(self, family: str, kind: str) -> None: ...
 
 
 class Supervisor:
@@ -106,6 +108,9 @@ class Supervisor:
         #: Families whose reconciliation failed: degraded until a retry (at each of their
         #: checks) succeeds, however well their generic discovery works meanwhile.
         self.unreconciled: dict[str, str] = {}
+        #: Families whose last database write was refused by the storage (disk full, read-only,
+        #: I/O): an infrastructure condition, degraded until one of their writes succeeds.
+        self.storage_unavailable: dict[str, str] = {}
 
     # -- time ------------------------------------------------------------------------------
     def sync_clock(self) -> None:
@@ -211,11 +216,14 @@ class Supervisor:
             done += 1
             try:
                 self._execute(decision)
+                if isinstance(decision, StartScan | Admit | EndScan):
+                    self._storage_ok(decision.family)  # a write went through
             except StaleTermError as exc:
                 self.lose_leadership(f"stale term: {exc}")
             except Exception as exc:  # one family's provider failure degrades only that family
                 family = getattr(decision, "family", "?")
                 stage = type(decision).__name__
+                self._storage_failed(family, exc, stage)
                 self.degraded[family] = f"{stage}: {type(exc).__name__}"
                 log.error(
                     "family step failed",
@@ -372,6 +380,10 @@ class Supervisor:
             outcome, cause = Outcome.FAILURE, "no_ack"  # exit 0 without durable ack
         elif ex.exitcode == ExitCode.PROGRESS_CONFLICT:
             outcome, cause = Outcome.CONFLICT, "conflict"
+        elif ex.exitcode in STORAGE_EXITS:
+            # The database refused the write (disk full ...): retried after the short fixed
+            # delay, no failure counted, the family reported degraded until a write succeeds.
+            outcome, cause = Outcome.CONFLICT, "storage"
         elif ex.exitcode == ExitCode.STALE_TERM:
             outcome, cause = Outcome.FAILURE, "stale_term"
         elif ex.exitcode is not None and ex.exitcode < 0:
@@ -379,6 +391,10 @@ class Supervisor:
         else:
             outcome, cause = Outcome.FAILURE, "failure"
         self.hooks.on_exit(fam.name, cause, ex.duration)
+        if cause == "storage":
+            self._storage_failed(fam.name, STORAGE_EXITS[ex.exitcode], "invoke")
+        elif outcome is Outcome.SUCCESS:
+            self._storage_ok(fam.name)
         if outcome is Outcome.SUCCESS:
             self.completed[fam.name] += 1
         elif outcome is not Outcome.CONFLICT:
@@ -412,6 +428,29 @@ class Supervisor:
                     ),
                 },
             )
+
+    def _storage_failed(self, family: str, error: BaseException | str, stage: str) -> None:
+        """Record a storage-level refusal (no-op for any other error): log the transition,
+        count it, degrade the family until a write succeeds."""
+        kind = error if isinstance(error, str) else storage_error_kind(error)
+        if kind is None or family not in self.families:
+            return
+        self.hooks.on_storage_error(family, kind)
+        if family not in self.storage_unavailable:
+            log.error(
+                "storage unavailable: the database cannot write",
+                extra={
+                    "family": family,
+                    "stage": stage,
+                    "error_code": kind,
+                    "reason": DESCRIBE.get(kind, kind),
+                },
+            )
+        self.storage_unavailable[family] = f"storage: {DESCRIBE.get(kind, kind)}"
+
+    def _storage_ok(self, family: str) -> None:
+        if self.storage_unavailable.pop(family, None) is not None:
+            log.warning("storage writable again", extra={"family": family})
 
     def unconfirmed(self) -> dict[str, int]:
         """Per family: Workers of ours whose exit the pool cannot confirm (yet)."""
