@@ -21,6 +21,8 @@ from apsup.registry import Registry
 from apsup.store import SqlBackend, migrate, open_backend
 from apsup.store.leases import new_holder_id
 from apsup.store.limits import parse_limits
+from tests.acceptance.families import configure
+from tests.acceptance.harness import LiveHost, request
 from tests.faults.proxy import FaultProxy
 
 PREFIX = "POWERCONTEXT_SERVER_RUNTIME_"
@@ -176,3 +178,52 @@ def test_bad_limit_in_the_database_url_is_a_configuration_error(tmp_path: Path) 
     assert out.returncode == 2, out.stderr
     assert "apsup_lock_wait" in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "a.db").exists()  # nothing created
+
+
+def test_discovery_yields_to_a_due_renewal(hosts: Any, store: SqlBackend) -> None:
+    """A Supervisor's run of decisions stops once the renewal is due (after one decision at
+    least), so renewal never waits behind a long discovery run."""
+    fam = configure("acc-manual", disabled=True, max_workers=1)
+    host = hosts.live_host([fam])
+    host.run_until(lambda: host.supervisor.core is not None, "the term is established")
+    for scope in ("ok.1", "ok.2", "ok.3"):
+        request(store, fam, scope, tell=False)
+    host.supervisor.notify(fam.name)  # due: a request page, then a dispatch
+    assert host.supervisor.step(until=time.monotonic()) == 1
+    assert host.supervisor.step() >= 1  # the rest runs at the next step
+
+
+@pytest.mark.backends("mysql")
+def test_a_leader_behind_a_black_hole_steps_down_and_recovers(store: SqlBackend) -> None:
+    """The host loop keeps cycling while the database is unreachable: the leader whose renewal
+    cannot complete steps down within the lease, and claims again once the network heals."""
+    with FaultProxy.for_url(store.url) as proxy:
+        url = _with(proxy.url(store.url), connect_timeout=1, read_timeout=2, query_timeout=1)
+        fam = configure("acc-manual", disabled=True, max_workers=1)
+        host = LiveHost(url, [fam])
+        try:
+            sup = host.supervisor
+            host.run_until(lambda: sup.term is not None, "leader")
+            first = sup.term
+            assert first is not None
+            proxy.blackhole()
+            t0 = time.monotonic()
+            longest = 0.0
+            while sup.term is not None:
+                assert time.monotonic() - t0 < 60, "still leading behind a black hole"
+                c0 = time.monotonic()
+                host.cycle(max_wait=0.1)
+                longest = max(longest, time.monotonic() - c0)
+            stepped_down = time.monotonic() - t0
+            assert stepped_down < 15 + 10, stepped_down  # lease 15 s (harness) + slack
+            assert longest < 15, longest  # no single cycle blocks for a lease
+            proxy.heal()
+            proxy.drop()
+            host.run_until(lambda: sup.term is not None, "leader again after the heal")
+            assert sup.term is not None and sup.term.generation > first.generation
+            print(
+                f"stepped down {stepped_down:.1f}s into the black hole; longest cycle "
+                f"{longest:.1f}s"
+            )
+        finally:
+            host.close()
