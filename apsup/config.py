@@ -53,7 +53,7 @@ from apsup.errors import ConfigError
 from apsup.policy import Cron, Disabled, Policy
 from apsup.registry import Family, Registry, default_registry, make_policy
 from apsup.store import backend_kind, redact_url
-from apsup.store.limits import parse_limits
+from apsup.store.limits import CONNECT_TIMEOUT, READ_TIMEOUT, explicit, parse_limits
 
 __all__ = [
     "ALIASES",
@@ -330,6 +330,7 @@ class Settings:
             )
         renew = lease / 3 if renew is None else renew
         src("renew_seconds", "RENEW_SECONDS")
+        _check_limits_against_lease(r, database_url, backend, lease)
         poll = r.parse("POLL_SECONDS", positive, "a number of seconds > 0") or 2.0
         src("poll_seconds", "POLL_SECONDS")
         grace = r.parse(
@@ -555,6 +556,23 @@ def _registered(by_prefix: Mapping[str, Family]) -> str:
 def _did_you_mean(r: _Reader, name: str, known: Iterable[str]) -> str:
     close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.75)
     return f"; did you mean {r.var(close[0])}?" if close else ""
+
+
+def _check_limits_against_lease(r: _Reader, url: str, backend: str, lease: float) -> None:
+    """Explicit MySQL time limits must let a cut-off host notice before its Lease runs out."""
+    if backend != "mysql" or not explicit(url) & {CONNECT_TIMEOUT, READ_TIMEOUT}:
+        return
+    try:
+        limits = parse_limits(url)
+    except ConfigError:
+        return  # already reported
+    worst = limits.read_timeout + limits.connect_timeout
+    if worst >= lease:
+        r.fail(
+            "DATABASE_URL",
+            f"{READ_TIMEOUT} + {CONNECT_TIMEOUT} ({worst:g}s) must be shorter than "
+            f"{r.var('LEASE_SECONDS')} ({lease:g}s): lower them or lengthen the lease",
+        )
 
 
 def _database(r: _Reader, role: str | None) -> tuple[str, str]:

@@ -5,11 +5,14 @@ that never returns (a half-open TCP connection: the server vanished without a FI
 SQLite write lock held by a Worker for minutes) would freeze all of it while the host still
 looks alive. So the host's own connections ("control" connections) carry limits:
 
-- ``apsup_connect_timeout`` (default 5 s): TCP connect and handshake (MySQL/OceanBase).
-- ``apsup_read_timeout`` (default 10 s): the client waits at most this long for any reply
+- ``apsup_connect_timeout`` (default 2 s): TCP connect and handshake (MySQL/OceanBase).
+- ``apsup_read_timeout`` (default 5 s): the client waits at most this long for any reply
   and for a send to complete (PyMySQL ``read_timeout``/``write_timeout``). This is what ends a
-  half-open connection.
-- ``apsup_query_timeout`` (default 5 s, 0 = the server's own): the server ends a statement,
+  half-open connection. A call on a pooled connection that went half-open ends within
+  ``apsup_read_timeout + apsup_connect_timeout`` (the liveness ping, then a new connection).
+  Their sum must be shorter than ``LEASE_SECONDS``, so a host cut off from the database learns
+  it before its Lease runs out.
+- ``apsup_query_timeout`` (default 4 s, 0 = the server's own): the server ends a statement,
   lock waits included, after this long (OceanBase ``ob_query_timeout``; on MySQL
   ``max_execution_time`` for reads and ``innodb_lock_wait_timeout``). It must be shorter than
   ``apsup_read_timeout`` so a slow statement ends with the server's clean error first.
@@ -44,9 +47,9 @@ PARAMS = (CONNECT_TIMEOUT, READ_TIMEOUT, QUERY_TIMEOUT, LOCK_WAIT)
 class DbLimits:
     """Time limits (seconds) of control connections; see the module docstring."""
 
-    connect_timeout: float = 5.0
-    read_timeout: float = 10.0
-    query_timeout: float = 5.0
+    connect_timeout: float = 2.0
+    read_timeout: float = 5.0
+    query_timeout: float = 4.0
     lock_wait: float = 2.0
 
 
@@ -84,6 +87,12 @@ def parse_limits(url: str | URL) -> DbLimits:
             "statement before the client gives up on the connection"
         )
     return limits
+
+
+def explicit(url: str | URL) -> set[str]:
+    """The limit parameters ``url`` sets itself."""
+    u = make_url(url) if isinstance(url, str) else url
+    return {name for name in PARAMS if u.query.get(name) not in (None, "")}
 
 
 def strip_limits(url: str | URL) -> URL:

@@ -96,6 +96,18 @@ class MysqlBackend(SqlBackend):
         )
         self.read_engine = self.engine
 
+        if control:
+
+            @event.listens_for(self.engine, "do_connect")
+            def _handshake_bound(dialect: Any, rec: Any, cargs: Any, cparams: Any) -> Any:
+                # PyMySQL reads the server's greeting under read_timeout: bound the whole
+                # handshake by connect_timeout instead, then restore the statement bound (a
+                # private attribute: PyMySQL has no public setter).
+                cparams["read_timeout"] = limits.connect_timeout
+                conn = dialect.loaded_dbapi.connect(*cargs, **cparams)
+                conn._read_timeout = limits.read_timeout
+                return conn
+
         @event.listens_for(self.engine, "connect")
         def _on_connect(dbapi_conn: Any, rec: Any) -> None:
             # PyMySQL reports "5.7.25" as the server version; VERSION() names OceanBase.

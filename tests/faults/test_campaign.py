@@ -30,7 +30,9 @@ SOAK = os.environ.get("APSUP_SOAK", "").strip().lower() in {"1", "true", "yes", 
 NEMESIS_SECONDS = 1800.0 if SOAK else 75.0
 LEASE, RENEW, POLL = 3.0, 1.0, 0.5
 #: Replicas' limits through the proxy: a black hole ends a call within READ_TIMEOUT.
-LIMITS = "apsup_connect_timeout=1&apsup_read_timeout=2&apsup_query_timeout=1&apsup_fence_timeout=4"
+LIMITS = (
+    "apsup_connect_timeout=1&apsup_read_timeout=1.5&apsup_query_timeout=1&apsup_fence_timeout=4"
+)
 #: Generous bound on catching up once the nemesis stops (a stall, not a slow run, fails it).
 RECOVERY_BOUND = 150.0
 #: A term reported ready for this long must have committed something.

@@ -149,7 +149,7 @@ def test_sqlite_control_write_waits_a_bounded_time_behind_a_workers_lock(
 
 def test_limits_parse_with_defaults_and_reject_bad_values() -> None:
     d = parse_limits("mysql+pymysql://u@h/db")
-    assert (d.connect_timeout, d.read_timeout, d.query_timeout, d.lock_wait) == (5, 10, 5, 2)
+    assert (d.connect_timeout, d.read_timeout, d.query_timeout, d.lock_wait) == (2, 5, 4, 2)
     got = parse_limits("mysql+pymysql://u@h/db?apsup_read_timeout=3&apsup_query_timeout=0")
     assert got.read_timeout == 3 and got.query_timeout == 0
     for bad in (
@@ -157,7 +157,7 @@ def test_limits_parse_with_defaults_and_reject_bad_values() -> None:
         "apsup_read_timeout=0",
         "apsup_connect_timeout=-1",
         "apsup_lock_wait=inf",
-        "apsup_query_timeout=12",  # not shorter than the read timeout (10)
+        "apsup_query_timeout=6",  # not shorter than the read timeout (5)
     ):
         with pytest.raises(ConfigError, match=bad.split("=")[0]):
             parse_limits(f"mysql+pymysql://u@h/db?{bad}")
@@ -178,6 +178,14 @@ def test_bad_limit_in_the_database_url_is_a_configuration_error(tmp_path: Path) 
     assert out.returncode == 2, out.stderr
     assert "apsup_lock_wait" in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "a.db").exists()  # nothing created
+
+
+def test_explicit_limits_must_fit_in_the_lease() -> None:
+    url = "mysql+pymysql://u@h/db?apsup_read_timeout=10&apsup_connect_timeout=5"
+    with pytest.raises(InvalidSettings, match="LEASE_SECONDS"):
+        Settings.load(Registry(), {PREFIX + "DATABASE_URL": url, PREFIX + "LEASE_SECONDS": "15"})
+    ok = Settings.load(Registry(), {PREFIX + "DATABASE_URL": url, PREFIX + "LEASE_SECONDS": "20"})
+    assert ok.lease_seconds == 20
 
 
 def test_discovery_yields_to_a_due_renewal(hosts: Any, store: SqlBackend) -> None:
