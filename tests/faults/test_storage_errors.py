@@ -153,3 +153,24 @@ def test_storage_errors_are_recognised_from_the_real_drivers(tmp_path: Path) -> 
     ):
         ok.execute("SELECT * FROM missing")
     assert storage_error_kind(err2.value) is None  # an ordinary error stays ordinary
+
+
+@pytest.mark.backends("mysql")
+def test_read_only_refusal_from_the_server_is_a_storage_error(backend: SqlBackend) -> None:
+    """A real refusal from the MySQL-compatible server (a write in a READ ONLY transaction,
+    error 1792) is recognised through SQLAlchemy's wrapping; an ordinary error is not."""
+    from sqlalchemy import text
+    from sqlalchemy.exc import DBAPIError
+
+    with backend.engine.connect() as conn:
+        conn.exec_driver_sql("CREATE TABLE IF NOT EXISTS ro_probe (id INT PRIMARY KEY)")
+        conn.commit()
+        conn.exec_driver_sql("START TRANSACTION READ ONLY")
+        with pytest.raises(DBAPIError) as err:
+            conn.execute(text("INSERT INTO ro_probe VALUES (1)"))
+        conn.rollback()
+        with pytest.raises(DBAPIError) as err2:
+            conn.execute(text("SELECT * FROM no_such_table"))
+        conn.rollback()
+    assert storage_error_kind(err.value) == "read_only"
+    assert storage_error_kind(err2.value) is None
