@@ -69,3 +69,36 @@ def test_forkserver_kill_does_not_strand_running_workers(hosts, store):
     assert status["unconfirmed"] == 0 and status["running"] == 0
     scraped = generate_latest(metrics.registry).decode()
     assert f'apsup_workers_unconfirmed{{family="{fam.name}"}} 0.0' in scraped
+
+
+def test_unconfirmed_workers_are_counted_per_family(hosts, store):
+    """A stopped forkserver cannot report a killed Worker's exit: the Worker becomes
+    "unconfirmed" (it keeps its budget slot) and status and metrics count it until the
+    confirmation arrives."""
+    fam = configure("acc-manual", disabled=True, max_workers=1, timeout=1.0)
+    host = hosts.live_host([fam], grace_seconds=0.5)
+    metrics = SupervisorMetrics(families=[fam.name])
+    observer = HostObserver(
+        role="all", mode="global", metrics=metrics, heartbeat=Heartbeat(), lease_read_seconds=1
+    )
+    host.host.on_cycle = observer
+    pool = host.bundle.pool
+    request(store, fam, "gate.z")  # waits for a flag that never comes: times out
+    host.run_until(lambda: _started(store, fam, "gate.z"), "the Worker started")
+    fs_pid = pool.forkserver_pid
+    assert fs_pid is not None
+    os.kill(fs_pid, signal.SIGSTOP)
+    try:
+        host.run_until(
+            lambda: host.supervisor.unconfirmed() == {fam.name: 1}, "the Worker is unconfirmed"
+        )
+        host.cycle()
+        status = observer.status()["supervisors"][0]["families"][fam.name]
+        assert status["unconfirmed"] == 1 and status["running"] == 1  # its slot stays taken
+        scraped = generate_latest(metrics.registry).decode()
+        assert f'apsup_workers_unconfirmed{{family="{fam.name}"}} 1.0' in scraped
+    finally:
+        os.kill(fs_pid, signal.SIGCONT)
+    host.run_until(lambda: not host.supervisor.running, "the exit is confirmed")
+    host.cycle()
+    assert observer.status()["supervisors"][0]["families"][fam.name]["unconfirmed"] == 0
