@@ -11,8 +11,6 @@ import contextlib
 import os
 import random
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -22,6 +20,7 @@ from typing import Any
 
 from apsup.supervisor.control import notify
 from tests.faults.proxy import FaultProxy
+from tests.faults.sqlite_faults import write_lock_held
 from tests.replicas import families
 from tests.replicas.cluster import PREFIX, Cluster, Replica, descendants
 from tests.replicas.support import http_get
@@ -159,16 +158,6 @@ class Sampler(threading.Thread):
             )
 
 
-_HOLD_LOCK = """
-import sqlite3, sys, time
-conn = sqlite3.connect(sys.argv[1], isolation_level=None, timeout=30)
-conn.execute("BEGIN IMMEDIATE")
-print("locked", flush=True)
-time.sleep(float(sys.argv[2]))
-conn.execute("ROLLBACK")
-"""
-
-
 @dataclass
 class Nemesis:
     """Cycles through faults; remembers which host processes it killed."""
@@ -215,19 +204,8 @@ class Nemesis:
             self.proxy.drop()  # the dead connections are reset when the network comes back
             return
         assert self.db_path is not None
-        holder = subprocess.Popen(
-            [sys.executable, "-c", _HOLD_LOCK, str(self.db_path), str(seconds)],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            assert holder.stdout is not None
-            holder.stdout.readline()
+        with write_lock_held(self.db_path, seconds) as holder:
             holder.wait(seconds + 30)
-        finally:
-            if holder.poll() is None:
-                holder.kill()
-                holder.wait()
 
     def blip(self) -> None:
         self.counts["blip"] += 1

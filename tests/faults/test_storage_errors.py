@@ -8,9 +8,7 @@ byte by a filler file: SQLite itself returns SQLITE_FULL, nothing is simulated.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +26,7 @@ from tests.acceptance import families as fams
 from tests.acceptance.families import configure
 from tests.acceptance.harness import handled, request, scope_events
 from tests.faults.conftest import Hosts
+from tests.faults.sqlite_faults import fill, small_tmpfs
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -35,33 +34,10 @@ pytestmark = pytest.mark.timeout(240)
 @pytest.fixture
 def small_volume(tmp_path: Path) -> Iterator[Path]:
     """A 6 MiB tmpfs; skipped (saying why) where this process may not mount."""
-    vol = tmp_path / "vol"
-    vol.mkdir()
-    out = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=6m,mode=0700", "tmpfs", str(vol)],
-        capture_output=True,
-        text=True,
-    )
-    if out.returncode != 0:
-        pytest.skip(f"cannot mount a size-limited tmpfs here: {out.stderr.strip()}")
-    try:
+    with small_tmpfs(tmp_path / "vol") as vol:
+        if vol is None:
+            pytest.skip("cannot mount a size-limited tmpfs here (needs root)")
         yield vol
-    finally:
-        subprocess.run(["umount", "-l", str(vol)], check=False)
-
-
-def fill(volume: Path) -> Path:
-    """Write a filler file until the volume refuses with ENOSPC."""
-    filler = volume / "filler"
-    chunk = b"\0" * 4096
-    with open(filler, "wb", buffering=0) as fh:
-        while True:
-            try:
-                fh.write(chunk)
-            except OSError as exc:
-                assert exc.errno == errno.ENOSPC, exc
-                break
-    return filler
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ from apsup.store.limits import parse_limits
 from tests.acceptance.families import configure
 from tests.acceptance.harness import LiveHost, request
 from tests.faults.proxy import FaultProxy
+from tests.faults.sqlite_faults import write_lock_held
 
 PREFIX = "POWERCONTEXT_SERVER_RUNTIME_"
 
@@ -112,37 +113,17 @@ def test_the_server_ends_a_slow_statement_first(db_url: str) -> None:
         worker.dispose()
 
 
-_HOLD_LOCK = """
-import sqlite3, sys, time
-conn = sqlite3.connect(sys.argv[1], isolation_level=None)
-conn.execute("BEGIN IMMEDIATE")
-conn.execute("CREATE TABLE IF NOT EXISTS apsup_lock_probe (x INTEGER)")
-print("locked", flush=True)
-time.sleep(float(sys.argv[2]))
-conn.execute("COMMIT")
-"""
-
-
 @pytest.mark.backends("sqlite")
 def test_sqlite_control_write_waits_a_bounded_time_behind_a_workers_lock(
     db_url: str, tmp_path: Path
 ) -> None:
     migrate(db_url)
     backend: SqlBackend = open_backend(_with(db_url, lock_wait=1), control=True)
-    holder = subprocess.Popen(
-        [sys.executable, "-c", _HOLD_LOCK, db_url.removeprefix("sqlite:///"), "30"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+    with write_lock_held(db_url.removeprefix("sqlite:///"), 30):
         # Before the limits: 6 attempts x 30 s busy wait = 3 minutes on the loop thread.
         took, exc = _outcome(lambda: backend.claim_term("global", new_holder_id(), 0), bound=60)
         assert exc is not None and "locked" in str(exc).lower() + str(exc.__cause__).lower()
         assert took < 5, took
-    finally:
-        holder.kill()
-        holder.wait()
     assert backend.claim_term("global", new_holder_id(), 0) is not None  # lock gone: it works
     backend.dispose()
 
