@@ -20,7 +20,7 @@ from typing import Any
 
 from apsup.supervisor.control import notify
 from tests.faults.proxy import FaultProxy
-from tests.faults.sqlite_faults import write_lock_held
+from tests.faults.sqlite_faults import fill, write_lock_held
 from tests.replicas import families
 from tests.replicas.cluster import PREFIX, Cluster, Replica, descendants
 from tests.replicas.support import http_get
@@ -167,6 +167,7 @@ class Nemesis:
     lease: float
     seed: int
     db_path: Path | None = None  # SQLite: the file whose write lock a blip holds
+    volume: Path | None = None  # SQLite: a size-limited volume under it, to fill now and then
     keep_hosts: int = 1
     host_args: tuple[str, ...] = ()
     role: str = "background"
@@ -188,6 +189,8 @@ class Nemesis:
         ]
         if self.proxy is not None:
             actions.append((self.latency, 1))
+        if self.volume is not None:
+            actions.append((self.disk_full, 2))
         weights = [w for _, w in actions]
         while time.monotonic() < end:
             (action,) = self.rng.choices([a for a, _ in actions], weights)
@@ -224,6 +227,15 @@ class Nemesis:
         self.proxy.latency(self.rng.uniform(0.02, 0.3))
         time.sleep(self.rng.uniform(1, 4))
         self.proxy.latency(0)
+
+    def disk_full(self) -> None:
+        assert self.volume is not None
+        self.counts["disk_full"] += 1
+        filler = fill(self.volume)
+        try:
+            time.sleep(self.rng.uniform(0.5, 4.0))
+        finally:
+            filler.unlink()
 
     def heal(self) -> None:
         if self.proxy is not None:

@@ -1,7 +1,8 @@
 """The fault campaign: hosts under a steady stream of requests while a nemesis cycles through
 database blips (0.2-5 s), outages longer than the lease, forkserver kills, Worker kills and
 host kill -9. MySQL: 3 replicas reaching the server through a TCP fault proxy. SQLite: 1 host;
-its "network" faults are another process holding the database write lock.
+its "network" faults are another process holding the database write lock, and (as root) the
+database sits on a size-limited tmpfs that the nemesis fills to the last byte now and then.
 
 Afterwards, within a bounded time: every accepted request is handled and covered by a business
 commit, no commit of an older term follows a newer term's start, no (family, scope, G) commits
@@ -13,6 +14,7 @@ CI runs a bounded campaign (about two minutes per backend); ``APSUP_SOAK=1`` run
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Iterable
@@ -23,6 +25,7 @@ import pytest
 
 from tests.faults.campaign import Nemesis, ProxiedCluster, RequestStream, Sample, Sampler
 from tests.faults.proxy import FaultProxy
+from tests.faults.sqlite_faults import small_tmpfs
 from tests.replicas import families
 from tests.replicas.cluster import REPO_ROOT, Cluster
 
@@ -69,19 +72,40 @@ def zombies(samples: Iterable[Sample], journal: Iterable[Any]) -> list[str]:
 
 
 def test_fault_campaign(db_url: str, backend_name: str, tmp_path: Path) -> None:
-    Cluster.prepare(db_url)
+    with contextlib.ExitStack() as stack:
+        _campaign(stack, db_url, backend_name, tmp_path)
+
+
+def _campaign(stack: contextlib.ExitStack, db_url: str, backend_name: str, tmp_path: Path) -> None:
     proxy: FaultProxy | None = None
+    volume: Path | None = None
     workdir = tmp_path / "cluster"
     if backend_name == "mysql":
+        Cluster.prepare(db_url)
         proxy = FaultProxy.for_url(db_url).start()
         cluster: Cluster = ProxiedCluster(
             db_url, f"{proxy.url(db_url)}?{LIMITS}", workdir, lease=LEASE, renew=RENEW, poll=POLL
         )
         hosts, role, db_path = 3, "background", None
     else:
+        # The database on a size-limited volume when this process may mount one (root), so
+        # the nemesis can also fill the disk under it.
+        volume = stack.enter_context(small_tmpfs(tmp_path / "vol", size="256m"))
+        if volume is not None:
+            db_url = f"sqlite:///{volume / 'apsup.db'}"
+        Cluster.prepare(db_url)
         cluster = Cluster(db_url, workdir, lease=LEASE, renew=RENEW, poll=POLL)
         hosts, role, db_path = 1, "all", Path(db_url.removeprefix("sqlite:///"))
-    nemesis = Nemesis(cluster, proxy, LEASE, seed=12, db_path=db_path, keep_hosts=hosts, role=role)
+    nemesis = Nemesis(
+        cluster,
+        proxy,
+        LEASE,
+        seed=12,
+        db_path=db_path,
+        volume=volume,
+        keep_hosts=hosts,
+        role=role,
+    )
     stream = RequestStream(cluster, interval=0.15, scopes=20, seed=7)
     sampler = Sampler(cluster)
     try:
@@ -118,6 +142,7 @@ def test_fault_campaign(db_url: str, backend_name: str, tmp_path: Path) -> None:
                 "ready_leading_samples": ready_leading,
                 "sampler_errors": dict(sampler.errors),
                 "hosts_started": len(cluster.replicas),
+                "disk_full_volume": volume is not None,
                 "catch_up_seconds": round(recovery, 2),
                 "events": cluster.event_counts(),
             }
