@@ -61,6 +61,7 @@ from apsup.registry import (
     make_policy,
 )
 from apsup.store import backend_kind, redact_url
+from apsup.store.limits import CONNECT_TIMEOUT, READ_TIMEOUT, explicit, parse_limits
 
 __all__ = [
     "ALIASES",
@@ -368,6 +369,7 @@ class Settings:
             )
         renew = lease / 3 if renew is None else renew
         src("renew_seconds", "RENEW_SECONDS")
+        _check_limits_against_lease(r, database_url, backend, lease)
         poll = r.parse("POLL_SECONDS", positive, "a number of seconds > 0 and <= 3600") or 2.0
         src("poll_seconds", "POLL_SECONDS")
         grace = r.parse(
@@ -597,6 +599,23 @@ def _did_you_mean(r: _Reader, name: str, known: Iterable[str]) -> str:
     return f"; did you mean {r.var(close[0])}?" if close else ""
 
 
+def _check_limits_against_lease(r: _Reader, url: str, backend: str, lease: float) -> None:
+    """Explicit MySQL time limits must let a cut-off host notice before its Lease runs out."""
+    if backend != "mysql" or not explicit(url) & {CONNECT_TIMEOUT, READ_TIMEOUT}:
+        return
+    try:
+        limits = parse_limits(url)
+    except ConfigError:
+        return  # already reported
+    worst = limits.read_timeout + limits.connect_timeout
+    if worst >= lease:
+        r.fail(
+            "DATABASE_URL",
+            f"{READ_TIMEOUT} + {CONNECT_TIMEOUT} ({worst:g}s) must be shorter than "
+            f"{r.var('LEASE_SECONDS')} ({lease:g}s): lower them or lengthen the lease",
+        )
+
+
 def _database(r: _Reader, role: str | None) -> tuple[str, str]:
     url = r.values.get("DATABASE_URL") or f"sqlite:///{(Path.cwd() / 'var' / 'apsup.db')}"
     try:
@@ -604,6 +623,10 @@ def _database(r: _Reader, role: str | None) -> tuple[str, str]:
     except ConfigError as exc:
         r.fail("DATABASE_URL", str(exc))
         return url, "invalid"
+    try:
+        parse_limits(url)  # the host's time limits on database calls
+    except ConfigError as exc:
+        r.fail("DATABASE_URL", str(exc))
     if kind != "sqlite":
         return url, kind
     parsed = make_url(url)

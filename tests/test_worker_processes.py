@@ -358,11 +358,11 @@ def test_dead_worker_stays_running_until_forkserver_confirms(
     assert lines(marker) == ["started", "finally"]
 
 
-def test_forkserver_death_leaves_worker_unconfirmed_forever(
-    pool: WorkerPool, tmp_path: Path
-) -> None:
-    """When the forkserver dies, multiprocess reports exit code 255 for its children; the pool
-    must not treat that as an exit: the Worker stays "unconfirmed" and keeps its capacity."""
+def test_forkserver_death_hands_its_workers_to_the_pool(pool: WorkerPool, tmp_path: Path) -> None:
+    """When the forkserver dies, multiprocess reports exit code 255 for its children; that is
+    not an exit. The pool (a child subreaper) adopts the still-running Worker, keeps enforcing
+    its deadline, and confirms its real exit with its own waitpid."""
+    assert pool.subreaper
     marker = tmp_path / "m"
     handle = pool.launch(
         "w", f"{T}:sleep_with_finally", payload(path=str(marker), seconds=120), LIMIT
@@ -372,22 +372,38 @@ def test_forkserver_death_leaves_worker_unconfirmed_forever(
     assert fs_pid is not None
     os.kill(fs_pid, signal.SIGKILL)
     end = time.monotonic() + LIMIT
-    while not handle.status_lost:
+    while not handle.adopted:
         assert time.monotonic() < end
         assert pool.poll() == []
         time.sleep(0.02)
-    assert handle.state == "unconfirmed" and pool.running() == [handle]
-    assert handle.sentinel not in pool.sentinels()  # an EOF pipe would wake the owner forever
-    assert pool.next_deadline() is None
-    wait_until(lambda: is_dead(handle.pid), "orphaned worker to be killed")
-    for _ in range(3):
-        assert pool.poll() == [] and pool.running() == [handle]
-    # New launches get a fresh forkserver; the lost Worker still holds its place.
+    assert not handle.status_lost and handle.state == "running" and not is_dead(handle.pid)
+    assert handle.sentinel in pool.sentinels()  # its pidfd: wakes the owner when it exits
+    assert pool.running() == [handle] and pool.unconfirmed() == []
+    # New launches get a fresh forkserver meanwhile.
     pool.launch("w2", f"{T}:ok", b"{}", LIMIT)
     assert drive(pool, {"w2"})["w2"].exitcode == 0
     assert pool.forkserver_pid not in (None, fs_pid)
-    assert pool.running() == [handle]
-    assert pool.close() == [handle]
+    # Its deadline still applies: SIGTERM, graceful exit, confirmed by our own waitpid.
+    ex = drive(pool, {"w"}, skew=skew_to_deadline(handle))["w"]
+    assert (ex.exitcode, ex.timed_out) == (ExitCode.TERMINATED, True)
+    assert lines(marker) == ["started", "finally"]
+    assert pool.running() == []
+
+
+def test_worker_that_died_with_its_forkserver_is_confirmed_from_its_zombie(
+    pool: WorkerPool, tmp_path: Path
+) -> None:
+    """A Worker that exited while its forkserver could not reap it is a zombie; when the
+    forkserver dies the zombie is ours, and its real status is the confirmation."""
+    pool.launch("w", f"{T}:hard_exit", payload(code=3), LIMIT)
+    handle = pool.running()[0]
+    fs_pid = pool.forkserver_pid
+    assert fs_pid is not None
+    os.kill(fs_pid, signal.SIGSTOP)
+    wait_until(lambda: process_state(handle.pid) == "Z", "zombie")
+    os.kill(fs_pid, signal.SIGKILL)
+    ex = drive(pool, {"w"})["w"]
+    assert ex.exitcode == 3 and pool.running() == []
 
 
 def test_real_exit_255_is_confirmed_while_forkserver_lives(pool: WorkerPool) -> None:
@@ -412,10 +428,11 @@ def test_wedged_forkserver_launch_times_out_and_is_replaced(tmp_path: Path) -> N
         assert process_state(fs_pid) is None  # killed and reaped: it can never fork "w2" later
         assert [h.worker_id for h in p.running()] == ["w"]
         p.poll()
-        assert running.status_lost and running.state == "unconfirmed"
+        assert running.adopted and not is_dead(running.pid)  # ours to confirm now
         p.launch("w3", f"{T}:ok", b"{}", LIMIT)  # a fresh forkserver serves new launches
         assert drive(p, {"w3"})["w3"].exitcode == 0
-        wait_until(lambda: is_dead(running.pid), "orphaned worker to be killed")
+        ex = drive(p, {"w"}, skew=skew_to_deadline(running))["w"]
+        assert (ex.exitcode, ex.timed_out) == (ExitCode.TERMINATED, True)
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,11 @@ code  name                        Supervisor reaction
 3     PROGRESS_CONFLICT           processor's own CAS lost a race: fixed short redispatch delay
 4     STALE_TERM                  the dispatching term is gone: control event, no failure counted
 5     TERMINATED                  stopped gracefully by the first SIGTERM (timeout or shutdown)
+6     STORAGE_FULL                the database could not write: disk full     } infrastructure:
+7     STORAGE_READ_ONLY           the database could not write: read-only     } short fixed retry,
+8     STORAGE_IO                  the database could not write: I/O error     } no backoff growth
 143   FORCED_EXIT                 second SIGTERM during graceful cleanup: ``os._exit(143)``
+255   STATUS_LOST                 gone, status lost with the forkserver: the intent row decides
 -15   KILLED_SIGTERM              SIGTERM hit before the child installed its handler
 -9    KILLED_SIGKILL              killed after the grace period (or by the OOM killer)
 ====  ==========================  ==============================================================
@@ -20,8 +24,10 @@ code  name                        Supervisor reaction
 Negative values follow ``multiprocess``/``subprocess``: ``-N`` means "killed by signal N"; any
 such value is reported, the two above are just the ones the pool itself sends. Targets may only
 return 0..127 (see ``apsup.workers.child``) so that 128+N and 255 keep their conventional
-meanings; 255 is what ``multiprocess`` fabricates when the forkserver dies, which the pool treats
-as *unconfirmed*, never as an exit.
+meanings; 255 is what ``multiprocess`` fabricates when the forkserver dies, which the pool never
+takes as an exit: it adopts the Worker and confirms its real exit itself. 255 is reported only
+for a Worker that is confirmed gone (reaped by the forkserver before it died) but whose status
+was lost with it; the Supervisor then classifies it from the durable intent row alone.
 """
 
 from __future__ import annotations
@@ -42,7 +48,11 @@ class ExitCode(IntEnum):
     PROGRESS_CONFLICT = 3
     STALE_TERM = 4
     TERMINATED = 5
+    STORAGE_FULL = 6
+    STORAGE_READ_ONLY = 7
+    STORAGE_IO = 8
     FORCED_EXIT = 128 + signal.SIGTERM
+    STATUS_LOST = 255
     KILLED_SIGTERM = -signal.SIGTERM
     KILLED_SIGKILL = -signal.SIGKILL
 
@@ -59,3 +69,16 @@ def describe(exitcode: int) -> str:
         except ValueError:
             return f"signal {-exitcode}"
     return f"exit {exitcode}"
+
+
+#: Storage-level failure kinds (``apsup.store.storage``) by exit code, and back.
+STORAGE_EXITS: dict[int, str] = {
+    ExitCode.STORAGE_FULL: "full",
+    ExitCode.STORAGE_READ_ONLY: "read_only",
+    ExitCode.STORAGE_IO: "io",
+}
+STORAGE_EXIT_CODES: dict[str, ExitCode] = {
+    "full": ExitCode.STORAGE_FULL,
+    "read_only": ExitCode.STORAGE_READ_ONLY,
+    "io": ExitCode.STORAGE_IO,
+}

@@ -20,7 +20,8 @@ from typing import Any
 from apsup.context import ExecutionContext, dispose_async_backends, release_before_exit
 from apsup.errors import ConfigError, ContextError, ProgressConflict, StaleTermError
 from apsup.registry import resolve_entry_point
-from apsup.workers.exit_codes import ExitCode
+from apsup.store.storage import storage_error_kind
+from apsup.workers.exit_codes import STORAGE_EXIT_CODES, ExitCode
 
 TARGET = "apsup.workers.invoke:run"
 
@@ -69,6 +70,10 @@ def run(payload: bytes) -> int:
         _say("configuration", exc)
         return ExitCode.BAD_CONTEXT
     except Exception as exc:
+        kind = storage_error_kind(exc)
+        if kind is not None:  # the database cannot write: not this Scope's failure
+            _say(f"storage unavailable ({kind})", exc)
+            return STORAGE_EXIT_CODES[kind]
         _say("processor failed", exc)
         return ExitCode.PROCESSOR_FAILURE
     finally:

@@ -10,8 +10,13 @@ forkserver reaps it with ``waitpid`` and writes the wait status into a per-child
 end is the handle's *sentinel*. Reading that status is the confirmation; pid existence never is
 (a dead Worker may be an unreaped zombie, and pids are reused: ``pid_max`` is 32768 here). Only a
 confirmed exit releases the handle, so capacity is never released early (RFC §6). If the
-forkserver dies, the sentinel reports EOF and ``multiprocess`` fabricates exit code 255; the pool
-recognises that case and keeps the Worker as ``"unconfirmed"`` instead of reporting an exit.
+forkserver dies, the sentinel reports EOF and ``multiprocess`` fabricates exit code 255; that is
+never taken as an exit. Instead the pool makes its owner a child subreaper
+(``PR_SET_CHILD_SUBREAPER``) when it starts: the Workers of a dead forkserver are reparented to
+the owner, which adopts them, keeps enforcing their deadlines and confirms their exits with its
+own ``waitpid`` (woken by a pidfd). A Worker that is no longer our child by then was already
+reaped by the forkserver: it is gone, with its status lost (``ExitCode.STATUS_LOST``). Only
+where the subreaper cannot be set does a Worker stay ``"unconfirmed"`` for good.
 
 Timeouts. Each Worker leads its own process group (``apsup.workers.child`` calls ``setsid``), so
 the pool signals the group: SIGTERM at the deadline (graceful: the child raises
@@ -30,6 +35,7 @@ forkserver's pid/alive fd are read to detect its death and to stop it (no public
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import io
 import os
 import pickle
@@ -106,12 +112,19 @@ class WorkerHandle:
     kill_sent_at: float | None = None
     #: The forkserver died: this Worker's exit can never be confirmed (kept until ``close``).
     status_lost: bool = False
+    #: The forkserver died and this Worker was reparented to us: we ``waitpid`` it ourselves;
+    #: the pidfd (if the kernel has them) becomes readable when it exits.
+    adopted: bool = False
+    pidfd: int | None = None
     _process: Any = field(default=None, repr=False)
     _forkserver_pid: int | None = field(default=None, repr=False)
 
     @property
     def sentinel(self) -> int:
-        """Readable once the forkserver has written this Worker's exit status."""
+        """Readable once the forkserver has written this Worker's exit status (or, adopted,
+        once the Worker has exited)."""
+        if self.adopted and self.pidfd is not None:
+            return self.pidfd
         return int(self._process.sentinel)
 
 
@@ -168,6 +181,19 @@ _active_lock = threading.Lock()
 _active: tuple[int, WorkerPool] | None = None
 
 
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _become_subreaper() -> bool:
+    """Make this process the reaper of its orphaned descendants (Linux >= 3.4), so the Workers
+    of a dead forkserver become our children instead of init's. False where unavailable."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 def _forkserver_state() -> Any:
     return forkserver._forkserver
 
@@ -181,6 +207,18 @@ def _is_alive_child(pid: int | None) -> bool:
         return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
     except ChildProcessError:
         return False
+
+
+def _forkserver_died(pid: int | None, settle: float = 1.0) -> bool:
+    """After a status pipe hit EOF: did the forkserver die? A dying process closes its files
+    before it becomes a zombie, so give it ``settle`` seconds to show as exited; one still
+    alive after that wrote a real status of 255."""
+    end = time.monotonic() + settle
+    while _is_alive_child(pid):
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.005)
+    return True
 
 
 class WorkerPool:
@@ -222,6 +260,10 @@ class WorkerPool:
         self.preload: list[str] = list(dict.fromkeys([*preload, _CHILD_MODULE]))
         self._handles: dict[str, WorkerHandle] = {}
         self._closed = False
+        #: Process groups of confirmed Workers whose stragglers we killed: as subreaper we
+        #: also reap them (monotonic time after which we stop trying).
+        self._reap_groups: dict[int, float] = {}
+        self.subreaper = _become_subreaper()
         with _active_lock:
             if _active is not None:
                 owner_pid, other = _active
@@ -441,7 +483,11 @@ class WorkerPool:
     def sentinels(self) -> list[int]:
         """Fds that become readable when a Worker's exit status arrives. Excludes Workers whose
         forkserver died (their pipe is at EOF and would wake the owner forever)."""
-        return [h.sentinel for h in self._handles.values() if not h.status_lost]
+        return [
+            h.sentinel
+            for h in self._handles.values()
+            if not h.status_lost and (not h.adopted or h.pidfd is not None)
+        ]
 
     def next_deadline(self) -> float | None:
         """Monotonic time of the next timeout/grace/confirm step; ``None`` if nothing is due."""
@@ -449,6 +495,8 @@ class WorkerPool:
         for h in self._handles.values():
             if h.status_lost:
                 continue
+            if h.adopted and h.pidfd is None:
+                times.append(time.monotonic() + 0.2)  # no pidfd: poll its waitpid
             if h.state == "running":
                 times.append(h.deadline)
             elif h.state == "terminating" and h.term_sent_at is not None:
@@ -464,7 +512,12 @@ class WorkerPool:
         now = time.monotonic() if now is None else now
         for h in list(self._handles.values()):
             self._enforce(h, now)
+        self._reap_stragglers(now)
         return exits
+
+    def unconfirmed(self) -> list[WorkerHandle]:
+        """Workers whose exit we may never confirm: still holding capacity, nothing to wait on."""
+        return [h for h in self._handles.values() if h.state == "unconfirmed"]
 
     # --- termination -------------------------------------------------------------------------
 
@@ -514,39 +567,91 @@ class WorkerPool:
     # --- internals ---------------------------------------------------------------------------
 
     def _collect(self, now: float | None = None) -> list[WorkerExit]:
-        live = [h for h in self._handles.values() if not h.status_lost]
-        if not live:
-            return []
-        ready = set(connection.wait([h.sentinel for h in live], 0))
         exits: list[WorkerExit] = []
+        for h in [h for h in self._handles.values() if h.adopted]:
+            code = self._wait_adopted(h)
+            if code is not None:
+                exits.append(self._confirmed(h, code, now))
+        live = [h for h in self._handles.values() if not h.status_lost and not h.adopted]
+        if not live:
+            return exits
+        ready = set(connection.wait([h.sentinel for h in live], 0))
         for h in live:
             if h.sentinel not in ready:
                 continue
             exitcode = h._process.exitcode  # reads the status the forkserver wrote (or EOF)
             if exitcode is None:
                 continue
-            if exitcode == _FORKSERVER_EOF_EXITCODE and not _is_alive_child(h._forkserver_pid):
-                self._mark_status_lost(h)
-                continue
-            at = time.monotonic() if now is None else now
-            exits.append(
-                WorkerExit(
-                    worker_id=h.worker_id,
-                    exitcode=int(exitcode),
-                    signal=-int(exitcode) if exitcode < 0 else None,
-                    timed_out=h.timed_out,
-                    duration=at - h.started,
-                    pid=h.pid,
-                    terminated=h.terminated,
-                )
-            )
-            del self._handles[h.worker_id]
-            h._process.close()
-            if not any(other.pid == h.pid for other in self._handles.values()):
-                # Stragglers in its group (grandchildren that ignored SIGTERM or were simply
-                # left behind) die with it. Safe: a pgid cannot be reused while it has members.
-                self._signal_group(h, signal.SIGKILL, group_only=True)
+            if exitcode == _FORKSERVER_EOF_EXITCODE and _forkserver_died(h._forkserver_pid):
+                if not self._adopt(h):
+                    self._mark_status_lost(h)
+                    continue
+                code = self._wait_adopted(h)
+                if code is None:
+                    continue  # still running: confirmed later through its pidfd
+                exitcode = code
+            exits.append(self._confirmed(h, int(exitcode), now))
         return exits
+
+    def _confirmed(self, h: WorkerHandle, exitcode: int, now: float | None) -> WorkerExit:
+        at = time.monotonic() if now is None else now
+        del self._handles[h.worker_id]
+        if h.pidfd is not None:
+            with contextlib.suppress(OSError):
+                os.close(h.pidfd)
+            h.pidfd = None
+        with contextlib.suppress(ValueError):
+            h._process.close()
+        if not any(other.pid == h.pid for other in self._handles.values()):
+            # Stragglers in its group (grandchildren that ignored SIGTERM or were simply
+            # left behind) die with it. Safe: a pgid cannot be reused while it has members.
+            self._signal_group(h, signal.SIGKILL, group_only=True)
+            if self.subreaper:
+                self._reap_groups[h.pid] = at + 10.0
+        return WorkerExit(
+            worker_id=h.worker_id,
+            exitcode=exitcode,
+            signal=-exitcode if exitcode < 0 else None,
+            timed_out=h.timed_out,
+            duration=at - h.started,
+            pid=h.pid,
+            terminated=h.terminated,
+        )
+
+    def _adopt(self, h: WorkerHandle) -> bool:
+        """The forkserver is dead: take over confirming ``h`` (we are its reaper now)."""
+        if not self.subreaper:
+            return False
+        h.adopted = True
+        try:
+            h.pidfd = os.pidfd_open(h.pid)
+        except (OSError, AttributeError):
+            h.pidfd = None  # exited already (reaped below) or no pidfds: poll instead
+        return True
+
+    def _wait_adopted(self, h: WorkerHandle) -> int | None:
+        """Exit code of an adopted Worker once it has exited, else None. A Worker that is not
+        our child any more was reaped by the forkserver before it died: gone, status lost."""
+        try:
+            pid, status = os.waitpid(h.pid, os.WNOHANG)
+        except ChildProcessError:
+            return int(ExitCode.STATUS_LOST)
+        if pid == 0:
+            return None
+        return os.waitstatus_to_exitcode(status)
+
+    def _reap_stragglers(self, now: float) -> None:
+        """Reap what we killed in confirmed Workers' groups (reparented to us as subreaper)."""
+        for pgid, until in list(self._reap_groups.items()):
+            try:
+                while os.waitid(os.P_PGID, pgid, os.WEXITED | os.WNOHANG) is not None:
+                    pass
+            except ChildProcessError:
+                if now >= until:
+                    del self._reap_groups[pgid]
+                continue
+            if now >= until:
+                del self._reap_groups[pgid]
 
     def _mark_status_lost(self, h: WorkerHandle) -> None:
         """The forkserver died before reporting this Worker: its exit can never be confirmed.

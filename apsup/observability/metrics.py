@@ -58,6 +58,7 @@ class FailureCause(StrEnum):
     STALE_TERM = "stale_term"  # fenced commit refused: the term changed
     NO_ACK = "no_ack"  # exit 0 without durable acknowledgment
     CRASH = "crash"  # killed by a signal / vanished
+    STORAGE = "storage"  # the database refused the write (disk full, read-only, I/O error)
 
 
 def supervisor_port(base_port: int, index: int | None) -> int:
@@ -117,6 +118,18 @@ class SupervisorMetrics:
             fam,
             registry=r,
         )
+        self.unconfirmed = Gauge(
+            "apsup_workers_unconfirmed",
+            "Workers whose exit cannot be confirmed yet; they keep holding capacity.",
+            fam,
+            registry=r,
+        )
+        self.storage_errors = Counter(
+            "apsup_storage_errors",
+            "Database writes refused by the storage (disk full, read-only, I/O error).",
+            ("family", "kind"),
+            registry=r,
+        )
         self.discovery_seconds = Histogram(
             "apsup_discovery_latency_seconds",
             "Duration of one bounded discovery query/page.",
@@ -173,6 +186,7 @@ class SupervisorMetrics:
             self.ready,
             self.retry_wait,
             self.unacknowledged,
+            self.unconfirmed,
             self.discovery_seconds,
             self.invocation_seconds,
             self.successes,
@@ -243,6 +257,14 @@ class SupervisorMetrics:
         self.capacity_used.labels(f).set(running)
         self.ready.labels(f).set(ready)
         self.retry_wait.labels(f).set(retry_wait)
+
+    @_never_raises
+    def set_unconfirmed(self, family: str, n: int) -> None:
+        self.unconfirmed.labels(self._family(family)).set(n)
+
+    @_never_raises
+    def on_storage_error(self, family: str, kind: str) -> None:
+        self.storage_errors.labels(self._family(family), kind).inc()
 
     @_never_raises
     def set_unacknowledged(self, family: str, n: int) -> None:

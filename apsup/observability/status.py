@@ -41,6 +41,9 @@ class FamilyStatus(TypedDict):
     next_retry_at: str | None  # ISO-8601 UTC of the earliest retry, None if no key waits
     due_at: str | None  # ISO-8601 UTC of the next automatic check, None when disabled
     unacknowledged: int | None  # requested > handled count from the last DB count, None if unknown
+    #: Workers whose exit could not be confirmed (their forkserver died and they could not be
+    #: adopted, or SIGKILL brought no status yet); each still holds a budget slot.
+    unconfirmed: NotRequired[int]
     policy: NotRequired[str]  # e.g. "interval 300s", "cron '0 2 * * *' Asia/Shanghai", "disabled"
 
 

@@ -447,6 +447,7 @@ def build_view(
             "retry_wait": mem.get("retry_wait") if mem else None,
             "next_retry_at": mem.get("next_retry_at") if mem else None,
             "unacknowledged": dbf.unacknowledged if dbf else None,
+            "unconfirmed": mem.get("unconfirmed") if mem else None,
             "dirty": dbf.dirty if dbf else None,
             "last_scan": None
             if scan is None
@@ -508,6 +509,8 @@ def _leader_cell(lease: dict[str, Any] | None) -> str:
 def _row(name: str, fam: dict[str, Any], now: datetime) -> list[str]:
     scan = fam["last_scan"]
     running = "-" if fam["budget"] is None else f"{_dash(fam['running'])}/{fam['budget']}"
+    if fam.get("unconfirmed"):
+        running += f" ({fam['unconfirmed']} unconfirmed)"
     retry = _dash(fam["retry_wait"])
     if fam["next_retry_at"]:
         retry += f" ({_until(_parse(fam['next_retry_at']), now)})"

@@ -41,15 +41,19 @@ def backend_kind(url: str) -> str:
     raise ConfigError(f"unsupported database backend {name!r}: use sqlite or mysql (OceanBase)")
 
 
-def open_backend(url: str, *, create: bool = False) -> SqlBackend:
-    """The backend for ``url`` (schema must exist: see ``migrate``). A SQLite file (and its
-    directory) is created only with ``create=True``, which ``migrate`` passes: a mistyped path
-    given to ``run`` or ``trigger`` is refused instead of becoming a new empty database."""
+def open_backend(url: str, *, create: bool = False, control: bool = False) -> SqlBackend:
+    """The backend for ``url`` (schema must exist: see ``migrate``).
+
+    ``create``: a SQLite file (and its directory) is created only then, which ``migrate``
+    passes: a mistyped path given to ``run`` or ``trigger`` is refused instead of becoming a new
+    empty database. ``control``: the host's own backend, whose every call is time-limited
+    (``apsup.store.limits``); Workers and CLI commands use the default.
+    """
     kind = backend_kind(url)
     if kind == "sqlite":
         from apsup.store.sqlite import SqliteBackend
 
-        return SqliteBackend(url, create=create)
+        return SqliteBackend(url, create=create, control=control)
     try:
         make_url(url).get_dialect().import_dbapi()
     except ImportError:
@@ -59,7 +63,7 @@ def open_backend(url: str, *, create: bool = False) -> SqlBackend:
         ) from None
     from apsup.store.mysql import MysqlBackend
 
-    return MysqlBackend(url)
+    return MysqlBackend(url, control=control)
 
 
 def connect(url: str) -> Engine:
@@ -69,8 +73,8 @@ def connect(url: str) -> Engine:
     ``fam.mark_dirty(conn, ...)``) together with the application's writes. It is configured as
     apsup's own: on SQLite every transaction starts with ``BEGIN IMMEDIATE`` (so a
     read-then-write transaction waits for the write lock instead of failing with
-    ``SQLITE_BUSY_SNAPSHOT``), WAL and a busy timeout, and a missing database file is created
-    0600; on MySQL/OceanBase READ COMMITTED, as apsup's own sessions. A plain
+    ``SQLITE_BUSY_SNAPSHOT``), WAL and a busy timeout (the database must exist: ``apsup
+    migrate`` creates it); on MySQL/OceanBase READ COMMITTED, as apsup's own sessions. A plain
     ``create_engine(url)`` works too; ``dispose()`` the engine when done.
     """
     return open_backend(url).engine

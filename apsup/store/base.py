@@ -46,6 +46,10 @@ class SqlBackend:
     #: Whether a process about to exit should still close its connections (a server counts a
     #: vanished client as an aborted connection). ``False`` where closing is only extra work.
     close_before_exit = True
+    #: Control backends (the host's own): total seconds one ``run``/``run_fenced`` may spend
+    #: on attempts and retries, so no database call holds the host loop for long. ``None``
+    #: (Workers, CLI): only the attempt count bounds it.
+    retry_budget: float | None = None
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -106,11 +110,13 @@ class SqlBackend:
 
     def _retrying(self, body: Callable[[], T]) -> T:
         delay = 0.02
+        budget_end = None if self.retry_budget is None else time.monotonic() + self.retry_budget
         for attempt in range(1, MAX_ATTEMPTS + 1):
             try:
                 return body()
             except DBAPIError as exc:
-                if not self._is_transient(exc) or attempt == MAX_ATTEMPTS:
+                spent = budget_end is not None and time.monotonic() + delay >= budget_end
+                if not self._is_transient(exc) or attempt == MAX_ATTEMPTS or spent:
                     if self._is_transient(exc):
                         raise BackendError(
                             f"{self.name}: lock contention persisted after {attempt} attempts"

@@ -19,10 +19,15 @@ Dialect facts this module is built on (DESIGN §6, §7):
   that transaction open. The server aborts it at the bound (4012/6002): nothing of it commits,
   and the waiting candidate proceeds. The variable is session-scoped and set once per connection
   before its first such transaction (``SET`` does not open a transaction there).
+- A control backend (the host's) bounds every call (``apsup.store.limits``): PyMySQL
+  connect/read/write timeouts end a half-open connection, and ``ob_query_timeout`` (checked on
+  seekdb: error 4012 for a slow statement, 1205 for a lock wait; ``max_execution_time`` is
+  accepted there but not enforced) ends a slow statement on the server first.
 """
 
 from __future__ import annotations
 
+import math
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -43,6 +48,7 @@ from apsup.store.leases import (
     take_lease,
     validate,
 )
+from apsup.store.limits import DbLimits, parse_limits, strip_limits
 from apsup.store.schema import leases
 
 #: Errors after which the server has rolled back the whole transaction (not just a statement).
@@ -61,12 +67,32 @@ def _error_code(exc: DBAPIError) -> int | None:
     return None
 
 
+def _statement_limits(oceanbase: bool, seconds: float) -> list[str]:
+    """Session settings that make the server end a statement (lock waits included)."""
+    if oceanbase:
+        return [f"SET ob_query_timeout = {max(1, int(seconds * 1_000_000))}"]
+    return [
+        f"SET SESSION max_execution_time = {max(1, int(seconds * 1000))}",
+        f"SET SESSION innodb_lock_wait_timeout = {max(1, math.ceil(seconds))}",
+    ]
+
+
 class MysqlBackend(SqlBackend):
     name = "mysql"
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, control: bool = False) -> None:
         super().__init__(url)
         u = make_url(url)
+        limits = parse_limits(u)
+        self.limits: DbLimits | None = limits if control else None
+        connect_args: dict[str, Any] = {}
+        if control:
+            connect_args = {
+                "connect_timeout": limits.connect_timeout,
+                "read_timeout": limits.read_timeout,
+                "write_timeout": limits.read_timeout,
+            }
+            self.retry_budget = limits.read_timeout
         raw = u.query.get(FENCE_TIMEOUT_PARAM)
         try:
             self.fence_timeout = FENCE_TIMEOUT_SECONDS if raw is None else float(str(raw))
@@ -75,7 +101,8 @@ class MysqlBackend(SqlBackend):
                 f"database URL parameter {FENCE_TIMEOUT_PARAM} must be a number of seconds"
             ) from None
         self.engine = create_engine(
-            u.difference_update_query([FENCE_TIMEOUT_PARAM]),
+            strip_limits(u.difference_update_query([FENCE_TIMEOUT_PARAM])),
+            connect_args=connect_args,
             isolation_level="READ COMMITTED",
             pool_pre_ping=True,
             pool_recycle=1800,
@@ -83,6 +110,18 @@ class MysqlBackend(SqlBackend):
             max_overflow=8,
         )
         self.read_engine = self.engine
+
+        if control:
+
+            @event.listens_for(self.engine, "do_connect")
+            def _handshake_bound(dialect: Any, rec: Any, cargs: Any, cparams: Any) -> Any:
+                # PyMySQL reads the server's greeting under read_timeout: bound the whole
+                # handshake by connect_timeout instead, then restore the statement bound (a
+                # private attribute: PyMySQL has no public setter).
+                cparams["read_timeout"] = limits.connect_timeout
+                conn = dialect.loaded_dbapi.connect(*cargs, **cparams)
+                conn._read_timeout = limits.read_timeout
+                return conn
 
         @event.listens_for(self.engine, "connect")
         def _on_connect(dbapi_conn: Any, rec: Any) -> None:
@@ -92,7 +131,12 @@ class MysqlBackend(SqlBackend):
                 cur.execute("SET time_zone = '+00:00'")  # database time is naive UTC
                 cur.execute("SELECT VERSION()")
                 row = cur.fetchone()
-                rec.info["apsup_oceanbase"] = bool(row) and "oceanbase" in str(row[0]).lower()
+                oceanbase = bool(row) and "oceanbase" in str(row[0]).lower()
+                rec.info["apsup_oceanbase"] = oceanbase
+                query_timeout = self.limits.query_timeout if self.limits else 0
+                if query_timeout > 0:
+                    for statement in _statement_limits(oceanbase, query_timeout):
+                        cur.execute(statement)
             finally:
                 cur.close()
                 dbapi_conn.rollback()  # leave no implicit transaction open

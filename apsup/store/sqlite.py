@@ -4,6 +4,11 @@ pysqlite does not emit BEGIN by itself (so a check-then-write would not be fence
 documented SQLAlchemy recipe takes over transaction control, and every write transaction starts
 with ``BEGIN IMMEDIATE`` so the database write lock is held from the term check through commit.
 Reads use a deferred ``BEGIN`` and never take the write lock.
+
+A control backend (the host's) waits at most ``apsup_lock_wait`` (default 2 s) for the write
+lock, retries included, instead of 30 s per attempt: a Worker holding the lock can then delay
+one Supervisor step, never freeze the host loop (``apsup.store.limits``). Workers keep the
+30 s wait: their acknowledgment is worth waiting for.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from apsup.store.leases import (
     take_lease,
     validate,
 )
+from apsup.store.limits import parse_limits, strip_limits
 from apsup.store.schema import leases
 
 BUSY_TIMEOUT_SECONDS = 30.0
@@ -164,8 +170,13 @@ class SqliteBackend(SqlBackend):
         synchronous: str = "FULL",
         busy_timeout: float = BUSY_TIMEOUT_SECONDS,
         create: bool = False,
+        control: bool = False,
     ) -> None:
         super().__init__(url)
+        limits = parse_limits(url)
+        if control:
+            busy_timeout = limits.lock_wait
+            self.retry_budget = limits.lock_wait
         self.path = database_path(url)
         if self.path is None:
             raise ConfigError(
@@ -176,7 +187,7 @@ class SqliteBackend(SqlBackend):
             _create_private(self.path)
         _check_existing(self.path, allow_empty=create)
         self.busy_timeout = busy_timeout
-        self.engine = create_engine(url, connect_args={"timeout": busy_timeout})
+        self.engine = create_engine(strip_limits(url), connect_args={"timeout": busy_timeout})
         self.read_engine = self.engine.execution_options(**{_READONLY: True})
 
         @event.listens_for(self.engine, "first_connect")

@@ -10,6 +10,7 @@ database statement (RFC §8). See ``apsup.supervisor.control`` for the wake-up g
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -230,7 +231,9 @@ class Host:
         self._guarded("lease", lambda: self._maintain_leases(now))
         self._guarded("establish", self._establish)
         for sup in self.supervisors:
-            self._guarded("step", sup.step)
+            # Discovery yields to the next renewal (each statement is time-limited).
+            until = self._next_renew if self.elected else None
+            self._guarded("step", functools.partial(sup.step, until=until))
             self._terminate_workers(sup)  # the step may have found the term stale
         if self.on_cycle is not None:
             self._guarded("observe", lambda: self.on_cycle(self) if self.on_cycle else None)

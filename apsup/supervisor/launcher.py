@@ -114,7 +114,7 @@ def build_host(
     """A host running every Supervisor of ``mode`` for ``families`` in this process."""
     if not families:
         raise ConfigError("no family to schedule")
-    backend = open_backend(database_url)
+    backend = open_backend(database_url, control=True)  # every call time-limited
     lock: HostLock | None = None
     control: ControlChannel | None = None
     try:

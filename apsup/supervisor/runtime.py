@@ -109,6 +109,9 @@ class MetricsHooks(Hooks):
     def observe_discovery(self, family: str, seconds: float) -> None:
         self.metrics.observe_discovery(family, seconds)
 
+    def on_storage_error(self, family: str, kind: str) -> None:
+        self.metrics.on_storage_error(family, kind)
+
 
 def _iso(value: Any) -> str | None:
     return None if value is None else value.isoformat() + "Z"
@@ -204,6 +207,7 @@ class HostObserver:
         sups: list[SupervisorStatus] = []
         for sup in host.supervisors:
             snaps = sup.core.snapshot() if sup.core is not None else {}
+            unconfirmed = sup.unconfirmed()
             families: dict[str, FamilyStatus] = {}
             for name, fam in sup.families.items():
                 snap = snaps.get(name)
@@ -213,13 +217,15 @@ class HostObserver:
                     status, reason = "disabled", "automatic admission disabled"
                 failed = (
                     name in sup.degraded
+                    or name in sup.storage_unavailable
                     or name in sup.unreconciled
                     or (snap is not None and snap.degraded)
                 )
                 if sup.term is not None and failed:
                     status = "degraded"
                     reason = (
-                        sup.degraded.get(name)
+                        sup.storage_unavailable.get(name)
+                        or sup.degraded.get(name)
                         or sup.unreconciled.get(name)
                         or (snap.last_error_stage if snap is not None else None)
                     )
@@ -242,9 +248,11 @@ class HostObserver:
                     "next_retry_at": _iso(snap.next_retry_at) if snap is not None else None,
                     "due_at": _iso(snap.due_at) if snap is not None else None,
                     "unacknowledged": self._unacked.get(name),
+                    "unconfirmed": unconfirmed.get(name, 0),
                     "policy": fam.policy.describe(),
                 }
                 self.metrics.update_family(name, fam.max_workers, running, ready, retry_wait)
+                self.metrics.set_unconfirmed(name, unconfirmed.get(name, 0))
             term = sup.term
             holder, generation = self._lease_view.get(sup.key, (None, None))  # type: ignore[arg-type]
             if term is not None:

@@ -38,7 +38,8 @@ from apsup.scheduling import (
 )
 from apsup.store import SqlBackend, intents, scans
 from apsup.store.leases import Term
-from apsup.workers.exit_codes import ExitCode
+from apsup.store.storage import DESCRIBE, storage_error_kind
+from apsup.workers.exit_codes import STORAGE_EXITS, ExitCode
 from apsup.workers.invoke import TARGET
 from apsup.workers.pool import WorkerExit, WorkerPool
 
@@ -111,6 +112,7 @@ class Hooks:
     def on_scan_started(self, family: str) -> None: ...
     def on_scan_completed(self, family: str) -> None: ...
     def observe_discovery(self, family: str, seconds: float) -> None: ...
+    def on_storage_error(self, family: str, kind: str) -> None: ...
 
 
 class Supervisor:
@@ -155,6 +157,9 @@ class Supervisor:
         #: Confirmed exits awaiting classification (their keys stay occupied meanwhile).
         self.unclassified: dict[str, _Unclassified] = {}
         self._more_due = False  # the last step() stopped at max_steps with decisions left
+        #: Families whose last database write was refused by the storage (disk full, read-only,
+        #: I/O): an infrastructure condition, degraded until one of their writes succeeds.
+        self.storage_unavailable: dict[str, str] = {}
 
     # -- time ------------------------------------------------------------------------------
     def sync_clock(self) -> None:
@@ -337,8 +342,12 @@ class Supervisor:
         self.establish_failures = 0
 
     # -- the decision loop -----------------------------------------------------------------
-    def step(self, max_steps: int = 256) -> int:
-        """Execute decisions until the core has none due now; returns how many ran."""
+    def step(self, max_steps: int = 256, until: float | None = None) -> int:
+        """Execute decisions until the core has none due now; returns how many ran.
+
+        ``until`` (monotonic): stop early once it has passed, so lease renewal is never queued
+        behind a long run of discovery statements (the host calls again right after renewing).
+        """
         done = 0
         self._more_due = False
         if self.term is not None and self.core is None:
@@ -349,6 +358,9 @@ class Supervisor:
             if done >= max_steps:
                 self._more_due = True  # more may be due now: the host must not sleep
                 break
+            if until is not None and done and time.monotonic() >= until:
+                self._more_due = True  # renew first, then carry on at once
+                break
             decision = self.core.decide(self.now())
             self._log_policy_errors()
             if decision is None:
@@ -356,11 +368,14 @@ class Supervisor:
             done += 1
             try:
                 self._execute(decision)
+                if isinstance(decision, StartScan | Admit | EndScan):
+                    self._storage_ok(decision.family)  # a write went through
             except StaleTermError as exc:
                 self.lose_leadership(f"stale term: {exc}")
             except Exception as exc:  # one family's provider failure degrades only that family
                 family = getattr(decision, "family", "?")
                 stage = type(decision).__name__
+                self._storage_failed(family, exc, stage)
                 self.degraded[family] = f"{stage}: {type(exc).__name__}"
                 log.error(
                     "family step failed",
@@ -556,8 +571,9 @@ class Supervisor:
             and self._term_still_valid()
         )
         cause: str | None
-        if handled and (ex.timed_out or ex.exitcode == ExitCode.SUCCESS):
-            # Acknowledged: a deadline that passed after the acknowledgment is no timeout.
+        if handled and (ex.timed_out or ex.exitcode in (ExitCode.SUCCESS, ExitCode.STATUS_LOST)):
+            # Acknowledged: a deadline that passed after the acknowledgment is no timeout;
+            # STATUS_LOST (exit status unknown): the durable acknowledgment decides.
             outcome, cause = Outcome.SUCCESS, None
         elif ex.timed_out:
             outcome, cause = Outcome.TIMEOUT, "timeout"
@@ -569,6 +585,10 @@ class Supervisor:
             # The Worker saw a stale term but ours stands: not the processor's failure; retry
             # like a conflict, without growing the key's backoff.
             outcome, cause = Outcome.CONFLICT, "stale_term"
+        elif ex.exitcode in STORAGE_EXITS:
+            # The database refused the write (disk full ...): retried after the short fixed
+            # delay, no failure counted, the family reported degraded until a write succeeds.
+            outcome, cause = Outcome.CONFLICT, "storage"
         elif ex.exitcode == ExitCode.STALE_TERM:
             outcome, cause = Outcome.FAILURE, "stale_term"
         elif ex.exitcode is not None and ex.exitcode < 0:
@@ -576,6 +596,10 @@ class Supervisor:
         else:
             outcome, cause = Outcome.FAILURE, "failure"
         self.hooks.on_exit(fam.name, cause, ex.duration)
+        if cause == "storage":
+            self._storage_failed(fam.name, STORAGE_EXITS[ex.exitcode], "invoke")
+        elif outcome is Outcome.SUCCESS:
+            self._storage_ok(fam.name)
         if outcome is Outcome.SUCCESS:
             self.completed[fam.name] += 1
         elif outcome is not Outcome.CONFLICT:
@@ -609,6 +633,38 @@ class Supervisor:
                     ),
                 },
             )
+
+    def _storage_failed(self, family: str, error: BaseException | str, stage: str) -> None:
+        """Record a storage-level refusal (no-op for any other error): log the transition,
+        count it, degrade the family until a write succeeds."""
+        kind = error if isinstance(error, str) else storage_error_kind(error)
+        if kind is None or family not in self.families:
+            return
+        self.hooks.on_storage_error(family, kind)
+        if family not in self.storage_unavailable:
+            log.error(
+                "storage unavailable: the database cannot write",
+                extra={
+                    "family": family,
+                    "stage": stage,
+                    "error_code": kind,
+                    "reason": DESCRIBE.get(kind, kind),
+                },
+            )
+        self.storage_unavailable[family] = f"storage: {DESCRIBE.get(kind, kind)}"
+
+    def _storage_ok(self, family: str) -> None:
+        if self.storage_unavailable.pop(family, None) is not None:
+            log.warning("storage writable again", extra={"family": family})
+
+    def unconfirmed(self) -> dict[str, int]:
+        """Per family: Workers of ours whose exit the pool cannot confirm (yet)."""
+        counts = dict.fromkeys(self.families, 0)
+        for handle in self.pool.unconfirmed():
+            inv = self.running.get(handle.worker_id)
+            if inv is not None:
+                counts[inv.family.name] += 1
+        return counts
 
     def _term_still_valid(self) -> bool:
         """Ask the database whether our term still stands (a Worker reported it stale)."""
