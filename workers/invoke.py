@@ -19,6 +19,7 @@ from typing import Any
 
 from apsup.context import ExecutionContext, dispose_async_backends, release_before_exit
 from apsup.errors import ConfigError, ContextError, ProgressConflict, StaleTermError
+from apsup.observability import worker_logs
 from apsup.registry import resolve_entry_point
 from apsup.workers.exit_codes import ExitCode
 
@@ -46,8 +47,10 @@ def run(payload: bytes) -> int:
         _say("bad context", exc)
         return ExitCode.BAD_CONTEXT
     os.environ.update(ctx.settings)
+    worker_logs.attach(ctx)  # logging, print and stderr join the host's log stream
     try:
         fam = resolve_entry_point(ctx.entry_point)
+        worker_logs.set_include_messages(fam.log_exception_messages)
         if ctx.already_handled():
             return ExitCode.SUCCESS
         result = fam.processor(ctx.scope_id, ctx)
@@ -69,6 +72,7 @@ def run(payload: bytes) -> int:
         _say("configuration", exc)
         return ExitCode.BAD_CONTEXT
     except Exception as exc:
+        worker_logs.report_exception(exc)
         _say("processor failed", exc)
         return ExitCode.PROCESSOR_FAILURE
     finally:

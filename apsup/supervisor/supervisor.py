@@ -15,6 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy import Connection
 
@@ -71,6 +72,9 @@ class Hooks:
     def on_scan_started(self, family: str) -> None: ...
     def on_scan_completed(self, family: str) -> None: ...
     def observe_discovery(self, family: str, seconds: float) -> None: ...
+    def exit_details(self, worker_id: str, exitcode: int) -> dict[str, Any]:
+        """What the Worker reported about its failure (exception_type, frames); {} if none."""
+        return {}
 
 
 class Supervisor:
@@ -383,7 +387,10 @@ class Supervisor:
             self.lose_leadership("a Worker found the term stale")
             return
         self.core.on_worker_exit(fam.name, inv.scope_id, outcome, more, self.now(), token=inv.token)
+        if outcome is Outcome.SUCCESS and log.isEnabledFor(logging.DEBUG):
+            log.debug("invocation succeeded", extra=_success_fields(inv, ex.duration))
         if outcome is not Outcome.SUCCESS:
+            details = self.hooks.exit_details(inv.worker_id, ex.exitcode)
             info = self.core.key_info(fam.name, inv.scope_id)
             retry_at = info.retry_at if info is not None else None
             log.warning(
@@ -399,7 +406,8 @@ class Supervisor:
                     "stage": "invoke",
                     "error_code": cause,
                     "exit_code": ex.exitcode,
-                    "exception_type": cause,
+                    "exception_type": details.pop("exception_type", None),
+                    **details,
                     "retry_count": info.consecutive_failures if info is not None else None,
                     "retry_delay": (
                         round((retry_at - self.now()).total_seconds(), 3) if retry_at else None
@@ -432,3 +440,16 @@ class Supervisor:
     def notify_all(self) -> None:
         for name in self.families:
             self.notify(name)
+
+
+def _success_fields(inv: Invocation, duration: float) -> dict[str, Any]:
+    return {
+        "binding": inv.family.binding_name,
+        "family": inv.family.name,
+        "scope": inv.scope_id,
+        "trigger": inv.reason,
+        "request_generation": inv.generation,
+        "worker_id": inv.worker_id,
+        "term": inv.term_generation,
+        "duration": round(duration, 3),
+    }
