@@ -257,9 +257,12 @@ class SupervisorMetrics:
         self.stall.set(self._family(family), oldest_started, max_consecutive_failures)
 
     @_never_raises
-    def set_interval(self, family: str, seconds: float) -> None:
-        """The Family's check interval (0 for cron or disabled), for stall alerts."""
-        self.stall.interval.labels(self._family(family)).set(max(0.0, float(seconds)))
+    def set_family_timing(self, family: str, interval: float, timeout: float) -> None:
+        """The Family's check interval (0 for cron or disabled) and Worker timeout, which the
+        stall alerts compare ages with."""
+        f = self._family(family)
+        self.stall.interval.labels(f).set(max(0.0, float(interval)))
+        self.stall.timeout.labels(f).set(max(0.0, float(timeout)))
 
     def add_refresher(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` before each scrape (values only the database knows, read on demand)."""

@@ -72,6 +72,12 @@ class StallCollector(Collector):
             fam,
             registry=registry,
         )
+        self.timeout = Gauge(
+            "apsup_family_timeout_seconds",
+            "Worker timeout of the Family (a Worker older than this should have been stopped).",
+            fam,
+            registry=registry,
+        )
         self.build_info = Gauge(
             "apsup_build_info",
             "Always 1; the labels say which apsup and Python this process runs.",
@@ -87,6 +93,7 @@ class StallCollector(Collector):
         self.last_success.labels(family).set(self._started)
         self.max_failures.labels(family)
         self.interval.labels(family)
+        self.timeout.labels(family)
 
     def set(self, family: str, oldest_started: float | None, max_failures: int) -> None:
         with self._lock:

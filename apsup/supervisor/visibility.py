@@ -47,7 +47,8 @@ def observe_stall(metrics: SupervisorMetrics, host: Host) -> None:
 def publish_intervals(metrics: SupervisorMetrics, families: Sequence[Family]) -> None:
     for fam in families:
         policy = fam.policy
-        metrics.set_interval(fam.name, policy.seconds if isinstance(policy, Interval) else 0.0)
+        interval = policy.seconds if isinstance(policy, Interval) else 0.0
+        metrics.set_family_timing(fam.name, interval, fam.timeout)
 
 
 class ScrapeCounter:
