@@ -55,3 +55,10 @@ def vis_chatty(scope_id: str, ctx: ExecutionContext) -> None:
 def vis_manual(scope_id: str, ctx: ExecutionContext) -> None:
     with ctx.fenced() as conn:
         ctx.acknowledge(conn)
+
+
+@family("vis-slow", interval=3600, max_workers=1, timeout=60, registry=registry)
+def vis_slow(scope_id: str, ctx: ExecutionContext) -> None:
+    time.sleep(3)
+    with ctx.fenced() as conn:
+        ctx.acknowledge(conn)

@@ -503,6 +503,7 @@ class Runtime:
             backoff=self.backoff,
         )
         host = bundle.host
+        host.shutdown_drain = s.shutdown_drain_seconds
         heartbeat = Heartbeat()
         observer = HostObserver(
             role=s.role,
