@@ -99,3 +99,18 @@ def test_rules_name_only_existing_metrics() -> None:
     used = _names([RULES.read_text()])
     missing = used - _exported_names() - PENDING
     assert used and not missing, sorted(missing)
+
+
+def test_docs_list_every_series() -> None:
+    text = (REPO / "docs" / "metrics.md").read_text()
+    documented = set(re.findall(r"`((?:apsup)_[a-z0-9_]+)", text))
+    exported = {n for n in _exported_names() if n.startswith("apsup_")}
+    families = {
+        n.removesuffix("_total").removesuffix("_bucket").removesuffix("_count").removesuffix("_sum")
+        for n in exported
+        if not n.endswith("_created")
+    }
+    bare = {d.removesuffix("_total") for d in documented}
+    assert not families - bare, sorted(families - bare)
+    for alert in re.findall(r"alert: (\w+)", RULES.read_text()):
+        assert alert in text, alert

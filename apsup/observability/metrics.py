@@ -114,7 +114,7 @@ class SupervisorMetrics:
         )
         self.unacknowledged = Gauge(
             "apsup_unacknowledged_requests",
-            "Intents with requested_generation > handled_generation (last DB count).",
+            "Requests not yet acknowledged (requested > handled), read from the database.",
             fam,
             registry=r,
         )
