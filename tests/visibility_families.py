@@ -62,3 +62,13 @@ def vis_slow(scope_id: str, ctx: ExecutionContext) -> None:
     time.sleep(3)
     with ctx.fenced() as conn:
         ctx.acknowledge(conn)
+
+
+@family("vis-traced", interval=3600, max_workers=1, timeout=60, registry=registry)
+def vis_traced(scope_id: str, ctx: ExecutionContext) -> None:
+    from opentelemetry import trace
+
+    with trace.get_tracer("tests.visibility").start_as_current_span("inner"):
+        log.info("inside the processor's span")
+    with ctx.fenced() as conn:
+        ctx.acknowledge(conn)

@@ -19,7 +19,7 @@ from typing import Any
 
 from apsup.context import ExecutionContext, dispose_async_backends, release_before_exit
 from apsup.errors import ConfigError, ContextError, ProgressConflict, StaleTermError
-from apsup.observability import worker_logs
+from apsup.observability import tracing, worker_logs
 from apsup.registry import resolve_entry_point
 from apsup.workers.exit_codes import ExitCode
 
@@ -48,6 +48,7 @@ def run(payload: bytes) -> int:
         return ExitCode.BAD_CONTEXT
     os.environ.update(ctx.settings)
     worker_logs.attach(ctx)  # logging, print and stderr join the host's log stream
+    tracing.attach_context(ctx.trace_context)  # the processor's spans nest under the host's
     try:
         fam = resolve_entry_point(ctx.entry_point)
         worker_logs.set_include_messages(fam.log_exception_messages)

@@ -42,6 +42,8 @@ from typing import IO, Any, Literal, Protocol
 
 import orjson
 
+from apsup.observability.tracing import current_ids
+
 MASK = "***"
 MAX_EXCEPTION_MESSAGE = 200
 
@@ -285,6 +287,8 @@ class JsonFormatter(_Base):
             if event is not None:
                 doc["event"] = redact(str(event))
             for k, v in self._fields(record).items():
+                doc.setdefault(k, v)
+            for k, v in current_ids().items():  # only when opentelemetry is in use
                 doc.setdefault(k, v)
             exc = self._exc(record)
             if exc:

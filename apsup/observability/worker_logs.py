@@ -42,6 +42,8 @@ from typing import Any
 
 import orjson
 
+from apsup.observability.tracing import current_ids
+
 SOCKET_ENV = "APSUP_WORKER_LOG_SOCKET"
 LEVEL_ENV = "APSUP_WORKER_LOG_LEVEL"
 MAX_LINE = 8192
@@ -105,6 +107,7 @@ class _ChannelHandler(logging.Handler):
                 "msg": msg[:MAX_LINE],
                 "created": record.created,
             }
+            doc.update(current_ids())
             if record.exc_info and record.exc_info[1] is not None:
                 doc["exc"] = describe_exception(
                     record.exc_info[1], include_message=_include_messages
@@ -427,6 +430,9 @@ class WorkerLogRelay:
         exc = doc.get("exc")
         if isinstance(exc, dict):
             extra.update(exc)
+        for key in ("trace_id", "span_id"):
+            if isinstance(doc.get(key), str):
+                extra[key] = doc[key]
         name = str(doc.get("logger") or "worker")
         created = doc.get("created")
         self._emit(w, level, name, str(doc.get("msg", "")), extra, created)

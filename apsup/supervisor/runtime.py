@@ -38,10 +38,12 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.exc import DBAPIError
 
 from apsup.errors import ConfigError
+from apsup.observability import tracing
 from apsup.observability.health import HealthServer, Heartbeat
 from apsup.observability.logging import configure_logging, log_startup, register_dsn
 from apsup.observability.metrics import SupervisorMetrics
 from apsup.observability.status import FamilyStatus, StatusSnapshot, SupervisorStatus
+from apsup.observability.tracing import InvocationSpans
 from apsup.observability.worker_logs import WorkerLogRelay
 from apsup.policy import Disabled
 from apsup.registry import Family, Registry
@@ -96,6 +98,17 @@ class MetricsHooks(Hooks):
     def __init__(self, metrics: SupervisorMetrics, relay: WorkerLogRelay | None = None) -> None:
         self.metrics = metrics
         self.relay = relay
+        self.spans = InvocationSpans() if tracing.enabled() else None
+
+    def invocation_started(self, worker_id: str, fields: dict[str, Any]) -> dict[str, str]:
+        if self.spans is None:
+            return {}
+        attrs = {f"apsup.{k}": v for k, v in fields.items() if k != "duration" and v is not None}
+        return self.spans.start(worker_id, attrs)
+
+    def invocation_ended(self, worker_id: str, cause: str | None) -> None:
+        if self.spans is not None:
+            self.spans.end(worker_id, cause)
 
     def exit_details(self, worker_id: str, exitcode: int) -> dict[str, Any]:
         if self.relay is None:

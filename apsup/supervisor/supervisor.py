@@ -72,6 +72,11 @@ class Hooks:
     def on_scan_started(self, family: str) -> None: ...
     def on_scan_completed(self, family: str) -> None: ...
     def observe_discovery(self, family: str, seconds: float) -> None: ...
+    def invocation_started(self, worker_id: str, fields: dict[str, Any]) -> dict[str, str]:
+        """Trace context for the Worker (tracing: ``apsup.observability.tracing``)."""
+        return {}
+
+    def invocation_ended(self, worker_id: str, cause: str | None) -> None: ...
     def exit_details(self, worker_id: str, exitcode: int) -> dict[str, Any]:
         """What the Worker reported about its failure (exception_type, frames); {} if none."""
         return {}
@@ -327,6 +332,9 @@ class Supervisor:
             term.generation,
         )
         self.hooks.on_dispatch(d.family)
+        ctx.trace_context = self.hooks.invocation_started(
+            worker_id, _success_fields(self.running[worker_id], 0.0)
+        )
         try:
             self.pool.launch(worker_id, TARGET, ctx.to_bytes(), fam.timeout)
         except Exception as exc:
@@ -377,6 +385,7 @@ class Supervisor:
         else:
             outcome, cause = Outcome.FAILURE, "failure"
         self.hooks.on_exit(fam.name, cause, ex.duration)
+        self.hooks.invocation_ended(inv.worker_id, cause)
         if outcome is Outcome.SUCCESS:
             self.completed[fam.name] += 1
         elif outcome is not Outcome.CONFLICT:
