@@ -251,3 +251,19 @@ def test_head_on_health_endpoints(host_factory: Callable[..., Host]) -> None:
         assert body == b""
     code, _ = http(h.port, "/nope", method="HEAD")
     assert code == 404
+
+
+def test_success_line_at_debug(host_factory: Callable[..., Host], db_url: str) -> None:
+    h = host_factory("LOG_LEVEL=DEBUG")
+    request(db_url, fams.vis_manual, "ok1")
+
+    def success() -> dict[str, Any] | None:
+        for r in h.records():
+            if r.get("msg") == "invocation succeeded" and r.get("scope") == "ok1":
+                return r
+        return None
+
+    rec = wait_for(success, "the debug success record")
+    assert rec["level"] == "DEBUG" and rec["family"] == "vis-manual"
+    assert rec["request_generation"] == 1 and rec["worker_id"] and rec["duration"] >= 0
+    assert rec["trigger"] == "request"
