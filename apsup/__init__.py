@@ -5,6 +5,9 @@ processor decides what is processed. Every write a Worker makes is fenced by the
 dispatched it.
 """
 
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
+
 from apsup.context import ExecutionContext
 from apsup.errors import (
     ApsupError,
@@ -18,6 +21,12 @@ from apsup.errors import (
 )
 from apsup.policy import Cron, Disabled, Interval
 from apsup.registry import Family, Registry, default_registry, family
+from apsup.store import connect
+
+try:
+    __version__ = _version("apsup")
+except PackageNotFoundError:  # pragma: no cover - running from a tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "ApsupError",
@@ -34,6 +43,8 @@ __all__ = [
     "ProgressConflict",
     "Registry",
     "StaleTermError",
+    "__version__",
+    "connect",
     "default_registry",
     "family",
 ]

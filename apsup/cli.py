@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -26,6 +27,12 @@ def _import_apps(modules: Sequence[str]) -> Registry:
     """Import the modules that declare families; they register into the default registry."""
     if not modules:
         raise ConfigError("pass --app MODULE (the module that declares your @family processors)")
+    # Like Celery and Dramatiq: the application's own package is importable from where it runs
+    # (a console script's sys.path starts with its bin/ folder instead). Worker processes and
+    # dedicated children inherit sys.path / the working directory.
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
     for name in modules:
         try:
             importlib.import_module(name)
@@ -40,8 +47,6 @@ def _settings(args: argparse.Namespace, registry: Registry) -> Any:
 
     env = None
     if getattr(args, "db", None):
-        import os
-
         env = dict(os.environ)
         env[f"{Settings.default_prefix()}DATABASE_URL"] = args.db
     return Settings.load(registry, env=env)
@@ -63,11 +68,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    from apsup.store import migrate, redact_url
+    from apsup.store import backend_kind, redact_url
+    from apsup.store.revision import migrate
 
     url = _db_url(args)
-    migrate(url, args.revision)
-    print(f"migrated {redact_url(url)} to {args.revision}")
+    backend_kind(url)  # a bad URL is a one-line configuration error, offline too
+    logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
+    families = args.with_reference_families
+    if args.sql:
+        migrate(url, args.revision, reference_families=families, sql=True)
+        return 0
+    migrate(url, args.revision, reference_families=families)
+    what = args.revision or ("head, with the reference families" if families else "head")
+    print(f"migrated {redact_url(url)} to {what}")
     return 0
 
 
@@ -140,6 +153,12 @@ def cmd_switch_mode(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    from apsup import __version__
+
+    return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="apsup",
@@ -147,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
         "POWERCONTEXT_SERVER_RUNTIME_* variables (see `apsup check-config`).",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"apsup {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def with_db(p: argparse.ArgumentParser) -> None:
@@ -162,9 +182,19 @@ def build_parser() -> argparse.ArgumentParser:
     with_db(p)
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("migrate", help="create/upgrade the schema (alembic upgrade)")
+    p = sub.add_parser("migrate", help="create/upgrade apsup's schema (apsup_alembic_version)")
     with_db(p)
-    p.add_argument("--revision", default="head")
+    p.add_argument(
+        "--revision", default=None, help="one Alembic target (default: newest of each branch)"
+    )
+    p.add_argument(
+        "--with-reference-families",
+        action="store_true",
+        help="also create the reference families' tables (topic_*, experience_*, ...)",
+    )
+    p.add_argument(
+        "--sql", action="store_true", help="print the DDL for a new database; connect to nothing"
+    )
     p.set_defaults(func=cmd_migrate)
 
     p = sub.add_parser("check-config", help="print the effective configuration (no secrets)")

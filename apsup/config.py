@@ -8,8 +8,10 @@ naming the exact variable and what to change) and raises a single ``InvalidSetti
 
 Decisions that the RFC leaves open:
 
-- One HTTP listener: ``HTTP_PORT`` (unset = off, 0 = any free port) and ``HTTP_HOST`` (default
-  127.0.0.1) serve metrics, health, readiness and status together. ``METRICS_*``/``HEALTH_*``
+- One HTTP listener: ``HTTP_PORT`` (unset or 0 = on, any free port; ``off`` = no listener) and
+  ``HTTP_HOST`` (default 127.0.0.1) serve metrics, health, readiness and status together. On by
+  default because ``apsup status`` reads the live columns from it; a SQLite host publishes the
+  port it got beside the database for ``apsup status`` to find. ``METRICS_*``/``HEALTH_*``
   are rejected with a pointer to ``HTTP_*`` rather than silently ignored.
 - Worker settings (``worker_env``) are prefixed variable names with normalised values, so a
   child can re-load them; names that look secret are never included.
@@ -218,6 +220,11 @@ def _integer(low: int, high: int | None = None) -> Callable[[str], int]:
     return convert
 
 
+def _http_port(raw: str) -> int:
+    """A port (0 = any free one), or -1 for ``off``."""
+    return -1 if raw.lower() == "off" else _integer(0, 65535)(raw)
+
+
 def _boolean(raw: str) -> bool:
     value = raw.lower()
     if value in {"1", "true", "yes", "on"}:
@@ -318,17 +325,21 @@ class Settings:
         src("database_url", "DATABASE_URL")
         http_host = r.parse("HTTP_HOST", _host, "a host name or IP address") or "127.0.0.1"
         src("http_host", "HTTP_HOST")
-        http_port = r.parse("HTTP_PORT", _integer(0, 65535), "an integer port 0-65535")
+        port = r.parse("HTTP_PORT", _http_port, "an integer port 0-65535, or off")
+        http_port = 0 if port is None else (None if port < 0 else port)
         src("http_port", "HTTP_PORT")
         positive = _number(0, inclusive=False)
         lease = r.parse("LEASE_SECONDS", positive, "a number of seconds > 0") or 15.0
         src("lease_seconds", "LEASE_SECONDS")
         renew = r.parse("RENEW_SECONDS", positive, "a number of seconds > 0")
-        if renew is not None and renew >= lease:
+        # The host gives a term up when its renewal is late by 0.8 x the lease; a renewal that
+        # fails once must leave room for the next one before that, hence at most a third.
+        if renew is not None and renew > lease / 3 * (1 + 1e-9):
             r.fail(
                 "RENEW_SECONDS",
-                f"must be shorter than LEASE_SECONDS ({lease:g}s), got {renew:g}s; "
-                f"renew at most every {lease / 3:g}s",
+                f"must be shorter than LEASE_SECONDS: at most a third of it ({lease / 3:g}s), "
+                f"got {renew:g}s; lower RENEW_SECONDS or raise LEASE_SECONDS to "
+                f"{renew * 3:g}s or more",
             )
         renew = lease / 3 if renew is None else renew
         src("renew_seconds", "RENEW_SECONDS")

@@ -5,13 +5,14 @@ intervals: independent policies and budgets, topic-memory's ordered journal with
 Scope that fails and backs off while its siblings keep completing, experience's partial
 progress, profile's immediate cron catch-up producing Candidates for Review, and handoff running
 only on explicit requests. Producers write domain input from a thread, as an application would
-(input and intent in one transaction), and notify the host over the local control channel.
+(input and intent in one transaction); each commit wakes the host by itself.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import shlex
 import sys
 import threading
 import time
@@ -22,7 +23,6 @@ from apsup.families import experience, handoff, profile, topic_memory
 from apsup.policy import Interval
 from apsup.registry import Family
 from apsup.store import migrate, open_backend
-from apsup.supervisor.control import notify
 from apsup.supervisor.host import Host
 from apsup.supervisor.launcher import build_host
 
@@ -64,14 +64,10 @@ def _produce(url: str, stop: threading.Event) -> None:
             with backend.transaction() as conn:
                 if kind == "topic":
                     topic_memory.append_source(conn, scope, f"demo note {rng.random():.6f}")
-                    name = topic_memory.NAME
                 elif kind == "experience":
                     experience.record_item(conn, scope, f"demo item {rng.random():.6f}")
-                    name = experience.NAME
                 else:
                     handoff.request_handoff(conn, scope, f"demo://payload/{rng.randint(1, 99)}")
-                    name = handoff.NAME
-            notify(url, name)
     finally:
         backend.dispose()
 
@@ -113,7 +109,7 @@ def run_demo(
     for suffix in ("", "-wal", "-shm"):
         Path(str(path) + suffix).unlink(missing_ok=True)
     url = f"sqlite:///{path}"
-    migrate(url)
+    migrate(url, reference_families=True)
     _seed(url)
     families = demo_families()
     bundle = build_host(url, families, shutdown_grace=5.0)
@@ -142,6 +138,23 @@ def run_demo(
     out.write(
         "demo finished: "
         + ", ".join(f"{name} {count} completed" for name, count in sorted(completed.items()))
-        + f"\ndatabase kept at {path} (inspect with `apsup status --db {path}`)\n"
+        + f"\ndatabase kept at {path}; inspect it with:\n  {status_command(url)}\n"
     )
     return completed
+
+
+def status_command(url: str) -> str:
+    """A shell command that runs ``apsup status`` on ``url`` from the current folder, naming
+    the ``apsup`` of this interpreter (``./run demo`` does not put it on PATH)."""
+    candidates = [Path(sys.argv[0]), Path(sys.executable).with_name("apsup")]
+    exe: list[str] = [sys.executable, "-m", "apsup.cli"]
+    for candidate in candidates:
+        if candidate.name == "apsup" and candidate.is_file() and os.access(candidate, os.X_OK):
+            resolved = candidate.absolute()
+            try:
+                shown = str(resolved.relative_to(Path.cwd()))
+            except ValueError:
+                shown = str(resolved)
+            exe = [shown if "/" in shown else f"./{shown}"]
+            break
+    return shlex.join([*exe, "status", "--db", url, "--once"])

@@ -75,17 +75,27 @@ class Family:
         return f"artifact:{self.name}"
 
     # -- domain-facing (inside the caller's own transaction) ---------------------------------
+    # ``conn`` is any SQLAlchemy Connection of the database apsup runs on, inside the caller's
+    # transaction. On SQLite, a running host on this machine is woken when it commits.
     def mark_dirty(self, conn: Connection, scope_id: str) -> int:
         """Advance dirty_generation in the caller's transaction; returns the new generation."""
         from apsup.store import intents
+        from apsup.supervisor import control
 
-        return intents.mark_dirty(conn, self.binding_name, scope_id)
+        control.check_publisher(conn)
+        generation = intents.mark_dirty(conn, self.binding_name, scope_id)
+        control.wake_on_commit(conn, self.name)
+        return generation
 
     def request(self, conn: Connection, scope_id: str) -> int:
         """Accept an explicit invocation request in the caller's transaction; returns G."""
         from apsup.store import intents
+        from apsup.supervisor import control
 
-        return intents.request(conn, self.binding_name, scope_id)
+        control.check_publisher(conn)
+        generation = intents.request(conn, self.binding_name, scope_id)
+        control.wake_on_commit(conn, self.name)
+        return generation
 
     async def mark_dirty_async(self, conn: AsyncConnection, scope_id: str) -> int:
         """``mark_dirty`` in the caller's own async transaction (the same sync code, run on it)."""

@@ -81,7 +81,7 @@ def test_defaults_come_from_the_decorator_and_documented_defaults() -> None:
     s = load()
     assert (s.mode, s.role, s.backend) == ("global", "all", "sqlite")
     assert s.database_url == f"sqlite:///{Path.cwd() / 'var' / 'apsup.db'}"
-    assert (s.http_host, s.http_port) == ("127.0.0.1", None)
+    assert (s.http_host, s.http_port) == ("127.0.0.1", 0)  # on by default, any free port
     assert (s.lease_seconds, s.renew_seconds, s.poll_seconds) == (15.0, 5.0, 2.0)
     assert (s.shutdown_grace_seconds, s.log_format, s.log_level) == (10.0, "auto", "INFO")
     assert s.families["topic-memory"].policy == Interval(300)

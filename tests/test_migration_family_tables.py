@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -29,6 +30,26 @@ def test_families_register_into_the_default_registry() -> None:
         assert (fam.policy.describe(), fam.max_workers, fam.timeout) == (policy, workers, timeout)
         assert fam.entry_point.startswith(f"apsup.families.{name.replace('-', '_')}:")
     assert {"TOPIC_MEMORY", "EXPERIENCE", "PROFILE", "HANDOFF"} <= set(default_registry.by_prefix())
+
+
+@pytest.fixture
+def backend(db_url: str) -> Iterator[Any]:
+    """The reference families' tables exist only when asked for."""
+    from apsup.store import migrate, open_backend
+
+    migrate(db_url, reference_families=True)
+    store = open_backend(db_url)
+    yield store
+    store.dispose()
+
+
+def test_apsup_migrations_lists_every_family_table() -> None:
+    """``apsup.migrations.include_name`` hides exactly the reference families' tables."""
+    from apsup.migrations import FAMILY_TABLES, include_name
+
+    assert {t.name for t in TABLES} == FAMILY_TABLES
+    assert not any(include_name(name, "table") for name in FAMILY_TABLES)
+    assert include_name("profile_settings_of_my_app", "table")
 
 
 def test_migrated_tables_match_modules(backend: Any) -> None:

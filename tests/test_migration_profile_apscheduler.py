@@ -25,9 +25,9 @@ from sqlalchemy import (
 
 from apsup.context import dispose_backends
 from apsup.families import profile as pf
-from apsup.families._testing import claim, intent, make_context
 from apsup.policy import Cron
 from apsup.store import migrate, open_backend, scans
+from apsup.testing import claim_term, intent, make_context
 
 FAM = pf.FAMILY
 FIRE1 = datetime(2026, 12, 1, 18, 0)  # 02:00 Asia/Shanghai, Dec 2
@@ -109,7 +109,7 @@ def build_legacy(url: str) -> None:
 
 
 def test_fresh_database_is_a_noop(db_url: str) -> None:
-    migrate(db_url)
+    migrate(db_url, reference_families=True)
     backend = open_backend(db_url)
     try:
         with backend.read() as conn:
@@ -125,7 +125,7 @@ def test_fire_before_next_run() -> None:
     from apsup.store import migrations_dir
 
     spec = importlib.util.spec_from_file_location(
-        "m0004", migrations_dir() / "versions" / "0004_profile_from_apscheduler.py"
+        "m0004", migrations_dir() / "families" / "0004_profile_from_apscheduler.py"
     )
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
@@ -136,7 +136,7 @@ def test_fire_before_next_run() -> None:
 
 def test_latest_fire_policy_cursor_and_candidate_decide_work(db_url: str) -> None:
     build_legacy(db_url)
-    migrate(db_url)
+    migrate(db_url, reference_families=True)
     backend = open_backend(db_url)
     try:
         assert intent(backend, FAM, "done") is None
@@ -158,10 +158,10 @@ def test_latest_fire_policy_cursor_and_candidate_decide_work(db_url: str) -> Non
 
 def test_catch_up_after_migration_neither_duplicates_nor_loses(db_url: str) -> None:
     build_legacy(db_url)
-    migrate(db_url)
+    migrate(db_url, reference_families=True)
     backend = open_backend(db_url)
     try:
-        term = claim(backend)
+        term = claim_term(backend)
         policy = FAM.policy
         assert isinstance(policy, Cron) and policy.timezone == "Asia/Shanghai"
         # The immediate catch-up admits every dirty Scope for the latest fire (FIRE1 here).

@@ -29,8 +29,8 @@ from sqlalchemy.dialects import mysql
 
 from apsup.context import dispose_backends
 from apsup.families import topic_memory as tm
-from apsup.families._testing import claim, intent, make_context
 from apsup.store import migrate, open_backend, scans
+from apsup.testing import claim_term, intent, make_context
 
 FAM = tm.FAMILY
 T0 = datetime(2026, 11, 30, 8, 0, 0, 123456)
@@ -174,11 +174,11 @@ def build_legacy(
 
 
 def migrate_legacy(url: str) -> None:
-    migrate(url)
+    migrate(url, reference_families=True)
 
 
 def test_fresh_database_is_a_noop(db_url: str) -> None:
-    migrate(db_url)
+    migrate(db_url, reference_families=True)
     backend = open_backend(db_url)
     try:
         with backend.read() as conn:
@@ -187,7 +187,7 @@ def test_fresh_database_is_a_noop(db_url: str) -> None:
             assert "pc_artifact_processing_auto_wave_targets" not in names
             assert conn.execute(select(func.count()).select_from(tm.topic_cursors)).scalar() == 0
             assert scans.get_state(conn, FAM.binding_name) is None
-        migrate(db_url)  # idempotent at head
+        migrate(db_url, reference_families=True)  # idempotent at head
     finally:
         backend.dispose()
 
@@ -267,7 +267,7 @@ def test_topic_api_and_processing_continue_after_migration(db_url: str) -> None:
         with backend.transaction() as conn:
             assert tm.flush(conn, "covered") == "idle"
             assert tm.flush(conn, "uncovered") == "accepted"
-        term = claim(backend)
+        term = claim_term(backend)
         for scope in ("uncovered", "flushed", "nopending", "waving"):
             row = intent(backend, FAM, scope)
             if row is not None and row.requested_generation == row.handled_generation:

@@ -27,13 +27,14 @@ from typing import Any
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from alembic.script import ScriptDirectory
 from sqlalchemy import Index, UniqueConstraint, insert, select, text, update
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
 from apsup.errors import IntentError
-from apsup.store import intents, migrate, migrations_dir, open_backend
+from apsup.migrations import FRAMEWORK_BRANCH, VERSION_TABLE
+from apsup.store import intents, migrate, open_backend
 from apsup.store.base import SqlBackend
+from apsup.store.revision import branch_head, script_directory
 from apsup.store.schema import PENDING_SEQUENCE_COUNTER, counters, metadata
 from apsup.store.schema import intents as intents_table
 
@@ -120,24 +121,19 @@ def _unexpected_mysql_keys(conn: Any) -> list[str]:
 
 def _revision(backend: SqlBackend) -> str | None:
     with backend.read() as conn:
-        return MigrationContext.configure(conn).get_current_revision()
+        ctx = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
+        return ctx.get_current_revision()
 
 
 def _head() -> str:
-    from alembic.config import Config
-
-    cfg = Config()
-    cfg.set_main_option("script_location", str(migrations_dir()))
-    head = ScriptDirectory.from_config(cfg).get_current_head()
-    assert head is not None
-    return head
+    return branch_head(script_directory(), FRAMEWORK_BRANCH)
 
 
 def test_revision_0001_creates_exactly_the_reference_schema(db_url: str) -> None:
-    migrate(db_url, "0001")
+    migrate(db_url, "apsup_0001")
     backend = open_backend(db_url)
     try:
-        assert _revision(backend) == "0001"
+        assert _revision(backend) == "apsup_0001"
         with backend.read() as conn:
             tables = {
                 str(r[0]).lower()
@@ -150,7 +146,7 @@ def test_revision_0001_creates_exactly_the_reference_schema(db_url: str) -> None
                     )
                 )
             }
-        assert tables == FRAMEWORK_TABLES | {"alembic_version"}
+        assert tables == FRAMEWORK_TABLES | {VERSION_TABLE}
         assert _schema_diffs(backend) == []
     finally:
         backend.dispose()

@@ -10,7 +10,8 @@ Two sources, merged per family:
   ``binding_states``) so the view needs no ``--app``; the distinct names are read with a loose
   index scan (one ``MIN(binding_name) > last`` seek per family), never by scanning the table.
 - **the running host's ``/status`` endpoint** (``--url http://127.0.0.1:PORT``, or discovered
-  from ``..._HTTP_PORT``/``..._HTTP_HOST``): the in-memory figures only a Supervisor knows:
+  from ``..._HTTP_PORT``/``..._HTTP_HOST``, or from the address a SQLite host publishes beside
+  its database): the in-memory figures only a Supervisor knows:
   next due time, capacity used/budget, ready, retry-wait and next retry, degraded state, and
   which Supervisor (Lease key) owns the family. The policy is the snapshot's optional
   ``policy`` field (``disabled`` is also inferred from a ``disabled`` status). Without a
@@ -296,6 +297,13 @@ def discover_url(env: dict[str, str] | None = None) -> str | None:
     if ":" in host:
         host = f"[{host}]"
     return f"http://{host}:{port}"
+
+
+def _local_listener(db_url: str) -> str | None:
+    """The listener a SQLite host on this machine published beside its database."""
+    from apsup.supervisor.control import local_listener
+
+    return local_listener(db_url)
 
 
 def _status_endpoint(url: str) -> str:
@@ -632,7 +640,7 @@ def main(
     with contextlib.suppress(Exception):
         if make_url(db_url).password:
             register_dsn(db_url)  # any driver message quoting the DSN or password is masked
-    host_url = args.url or discover_url()
+    host_url = args.url or discover_url() or _local_listener(db_url)
     if args.url:
         scheme = urllib.parse.urlsplit(args.url).scheme
         if scheme not in ("http", "https"):

@@ -230,6 +230,8 @@ class _Family:
         self.errors = 0
         self.retry_turn = True  # due retries and discovered keys alternate filling ready room
         self.requests_turn = True  # alternation between request discovery and the scan
+        #: The policy failed to compute the next check (exception type); cleared when it can.
+        self.policy_error: str | None = None
 
     def has_room(self) -> bool:
         return len(self.ready) < self.limit
@@ -240,13 +242,25 @@ class _Family:
         Once a checkpoint exists the next due time depends on it alone (interval: checkpoint + T;
         cron: the first fire after it), and cron maths is costly while ``decide`` runs often.
         Without a checkpoint the first check is due at once (``now``).
+        A policy that cannot compute (e.g. an overflowing interval, a cron that never fires)
+        records ``policy_error`` and has no due check for the rest of the term (policies do not
+        change while running): only this family's automatic checks stop.
         """
-        if self.checkpoint is None:
-            return self.spec.policy.next_due(None, now)
-        if self._due_for != self.checkpoint:
-            self._due_for = self.checkpoint
-            self._due = self.spec.policy.next_due(self.checkpoint, now)
-        return self._due
+        if self.policy_error is not None:
+            return None
+        try:
+            if self.checkpoint is None:
+                due = self.spec.policy.next_due(None, now)
+            elif self._due_for != self.checkpoint:
+                self._due = self.spec.policy.next_due(self.checkpoint, now)
+                self._due_for = self.checkpoint
+                due = self._due
+            else:
+                due = self._due
+        except Exception as exc:
+            self.policy_error = type(exc).__name__
+            return None
+        return due
 
 
 # --- the scheduler -------------------------------------------------------------------------------
@@ -291,6 +305,9 @@ class Scheduler:
         self._tokens = itertools.count(1)
         self._tiebreak = itertools.count()
         self.ignored_events = 0
+        #: ``(family, exception type)`` of policies that started failing, for the IO shell to
+        #: log (drained by it); such a family degrades alone, the others keep being decided.
+        self.policy_errors: deque[tuple[str, str]] = deque()
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -341,7 +358,15 @@ class Scheduler:
         for offset in range(1, count + 1):
             index = (self._last_served + offset) % count
             f = self._families[index]
-            decision = self._step(f, now)
+            failing = f.policy_error
+            try:
+                decision = self._step(f, now)
+            except Exception as exc:  # its policy cannot compute (cron maths): only f degrades
+                f.policy_error = type(exc).__name__
+                self.on_family_error(f.name, "policy", now)
+                decision = None
+            if f.policy_error is not None and f.policy_error != failing:
+                self.policy_errors.append((f.name, f.policy_error))
             if decision is not None:
                 self._last_served = index
                 self._issue(f, decision)
@@ -417,7 +442,12 @@ class Scheduler:
                 f.name, scan.generation, scan.after_sequence, scan.upper, f.spec.page_size
             )
         if scan_due:
-            return StartScan(f.name, f.spec.policy.checkpoint_for(now))  # cron maths: only here
+            try:
+                checkpoint = f.spec.policy.checkpoint_for(now)  # cron maths: only here
+            except Exception as exc:
+                f.policy_error = type(exc).__name__  # no automatic checks; requests still run
+                return requests
+            return StartScan(f.name, checkpoint)
         return requests
 
     def _next_admission(self, f: _Family, scan: _Scan) -> Admit | None:
@@ -744,9 +774,11 @@ class Scheduler:
                 request_pass_active=f.request_pass is not None,
                 notifications=f.notifications,
                 step_in_flight=None if f.step is None else type(f.step).__name__,
-                degraded=f.degraded,
+                degraded=f.degraded or f.policy_error is not None,
                 postponed_until=f.postponed_until,
-                last_error_stage=f.last_error_stage,
+                last_error_stage=(
+                    f"policy: {f.policy_error}" if f.policy_error else f.last_error_stage
+                ),
                 errors=f.errors,
                 max_consecutive_failures=max((k.failures for k in f.keys.values()), default=0),
             )

@@ -6,6 +6,7 @@ import contextlib
 import importlib.util
 from pathlib import Path
 
+from sqlalchemy import Engine
 from sqlalchemy.engine import make_url
 
 from apsup.errors import ConfigError
@@ -17,6 +18,7 @@ __all__ = [
     "SqlBackend",
     "Term",
     "backend_kind",
+    "connect",
     "migrate",
     "open_backend",
     "redact_url",
@@ -46,9 +48,30 @@ def open_backend(url: str) -> SqlBackend:
         from apsup.store.sqlite import SqliteBackend
 
         return SqliteBackend(url)
+    try:
+        make_url(url).get_dialect().import_dbapi()
+    except ImportError:
+        raise ConfigError(
+            f"{redact_url(url)!r} needs a MySQL driver that is not installed: "
+            "pip install 'apsup[mysql]' (PyMySQL)"
+        ) from None
     from apsup.store.mysql import MysqlBackend
 
     return MysqlBackend(url)
+
+
+def connect(url: str) -> Engine:
+    """An SQLAlchemy Engine for the application's own transactions on apsup's database.
+
+    Use it for the transactions that publish intent (``fam.request(conn, ...)``,
+    ``fam.mark_dirty(conn, ...)``) together with the application's writes. It is configured as
+    apsup's own: on SQLite every transaction starts with ``BEGIN IMMEDIATE`` (so a
+    read-then-write transaction waits for the write lock instead of failing with
+    ``SQLITE_BUSY_SNAPSHOT``), WAL and a busy timeout, and a missing database file is created
+    0600; on MySQL/OceanBase READ COMMITTED, as apsup's own sessions. A plain
+    ``create_engine(url)`` works too; ``dispose()`` the engine when done.
+    """
+    return open_backend(url).engine
 
 
 def worker_preload(url: str) -> list[str]:
@@ -76,17 +99,10 @@ def migrations_dir() -> Path:
     return Path(apsup.migrations.__file__).resolve().parent
 
 
-def migrate(url: str, revision: str = "head") -> None:
-    """Run Alembic ``upgrade`` to ``revision`` on ``url``."""
-    from alembic import command
-    from alembic.config import Config
+def migrate(url: str, revision: str | None = None, *, reference_families: bool = False) -> None:
+    """Upgrade apsup's schema on ``url`` (``apsup.store.revision.migrate``): the framework
+    tables, plus the reference families' tables when ``reference_families`` (or already there).
+    """
+    from apsup.store.revision import migrate as _migrate
 
-    backend = open_backend(url)
-    try:
-        cfg = Config()
-        cfg.set_main_option("script_location", str(migrations_dir()))
-        with backend.engine.begin() as conn:
-            cfg.attributes["connection"] = conn
-            command.upgrade(cfg, revision)
-    finally:
-        backend.dispose()
+    _migrate(url, None if revision == "head" else revision, reference_families=reference_families)

@@ -1,8 +1,8 @@
 """Dedicated mode on MySQL/OceanBase: one Supervisor *process* per registered family.
 
-``DedicatedLauncher`` starts ``python -m apsup.supervisor.dedicated --family NAME ...`` once per
-family (``subprocess``: fork + exec of a fresh interpreter, so no database connection, thread or
-Worker pool of the launcher leaks into a child). Each child rebuilds the registry from the
+``DedicatedLauncher`` starts ``python -m apsup.supervisor.dedicated_child --family NAME ...``
+once per family (``subprocess``: fork + exec of a fresh interpreter, so no database connection,
+thread or Worker pool of the launcher leaks into a child). Each child rebuilds the registry from the
 families' entry points, reloads the settings from the environment the launcher serialised for
 it (the launcher's *effective* settings, so every child agrees with it exactly) and runs one host
 with one Supervisor competing for ``artifact:<family>``.
@@ -24,9 +24,7 @@ Standby children are healthy: they keep trying to claim and never exit for not b
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import ctypes
 import logging
 import os
 import shutil
@@ -36,10 +34,10 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -48,7 +46,7 @@ from apsup.observability.health import HealthServer, Heartbeat, fan_in
 from apsup.observability.metrics import supervisor_port
 from apsup.observability.status import StatusSnapshot, SupervisorStatus
 from apsup.policy import Cron, Disabled, Interval
-from apsup.registry import Family, Registry, resolve_entry_point
+from apsup.registry import Registry
 from apsup.scheduling import Backoff
 
 if TYPE_CHECKING:
@@ -56,7 +54,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("apsup.dedicated")
 
-MODULE = "apsup.supervisor.dedicated"
+#: The family child's entry module (the child side lives there, so that this launcher never
+#: imports the Runtime that imports it).
+MODULE = "apsup.supervisor.dedicated_child"
 RESTART_INITIAL = 1.0
 RESTART_MAX = 60.0
 #: Exit code of a child whose configuration is invalid (same as the CLI's).
@@ -93,7 +93,9 @@ def child_env(
     put("ARTIFACT_PROCESSING_ROLE", "background")
     put("DATABASE_URL", settings.database_url)
     put("HTTP_HOST", settings.http_host)
-    if settings.http_port is not None:
+    if settings.http_port is None:
+        put("HTTP_PORT", "off")
+    else:
         put("HTTP_PORT", str(supervisor_port(settings.http_port, index)))
     put("LEASE_SECONDS", _num(settings.lease_seconds))
     put("RENEW_SECONDS", _num(settings.renew_seconds))
@@ -428,81 +430,3 @@ class DedicatedLauncher:
             "supervisors": sups,
             "heartbeat_age": None,
         }
-
-
-# -- child side -------------------------------------------------------------------------------
-
-
-def _die_with_parent(parent: int) -> None:
-    """Linux: SIGTERM this process when the launcher dies; exit now if it is already gone."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # pragma: no cover - not Linux/glibc
-        pass
-    if parent and os.getppid() != parent:
-        raise SystemExit(0)  # reparented before prctl took effect: the launcher is gone
-
-
-def _parse_backoff(text: str | None) -> Backoff | None:
-    if not text:
-        return None
-    base, factor, cap, jitter = (float(x) for x in text.split(":"))
-    return Backoff(base=base, factor=factor, cap=cap, jitter=jitter)
-
-
-def _build_registry(entries: Sequence[str]) -> Registry:
-    registry = Registry()
-    for entry in entries:
-        registry.add(resolve_entry_point(entry))
-    return registry
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=MODULE, description="one family's Supervisor process")
-    parser.add_argument("--family", required=True)
-    parser.add_argument("--prefix", required=True)
-    parser.add_argument("--entry", action="append", default=[], required=True)
-    parser.add_argument("--parent", type=int, default=0)
-    parser.add_argument("--port-file")
-    parser.add_argument("--backoff")
-    args = parser.parse_args(argv)
-    _die_with_parent(args.parent)
-
-    from apsup.config import Settings
-    from apsup.supervisor.runtime import Runtime, _configure_logs, _signals
-
-    try:
-        registry = _build_registry(args.entry)
-        settings = Settings.load(registry, prefix=args.prefix)
-        _configure_logs(settings.log_format, settings.log_level)
-        if args.family not in settings.families:
-            registry.get(args.family)  # raises ConfigError naming the registered families
-        fam: Family = settings.families[args.family]
-        runtime = Runtime(settings, registry, backoff=_parse_backoff(args.backoff))
-    except ConfigError as exc:
-        print(f"apsup dedicated[{args.family}]: configuration error: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
-
-    port_file = Path(args.port_file) if args.port_file else None
-
-    def report_port() -> None:
-        runtime.started.wait()
-        port = runtime.http_port
-        if port_file is not None and port is not None:
-            tmp = port_file.with_suffix(".tmp")
-            tmp.write_text(str(port))
-            os.replace(tmp, port_file)
-
-    threading.Thread(target=report_port, name="apsup-port-report", daemon=True).start()
-    with _signals(runtime.stop):
-        runtime.run_host([fam], "dedicated")
-    return 0
-
-
-def _entry(argv: Sequence[str] | None = None) -> Any:  # pragma: no cover - process entry
-    raise SystemExit(main(argv))
-
-
-if __name__ == "__main__":  # pragma: no cover
-    _entry()

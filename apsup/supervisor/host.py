@@ -2,7 +2,9 @@
 
 It sleeps until the earliest of: a Worker exit (pool sentinels), a control notification, a
 signal, a schedule/retry deadline, a Worker timeout, and on MySQL the renewal and bounded
-request-polling deadlines. On SQLite nothing else wakes it: no idle database polling (RFC §8).
+request-polling deadlines. On SQLite it also checks the database files' signature once a second
+(a ``stat``, not a query) to recover wake-ups that never arrived; an idle SQLite host issues no
+database statement (RFC §8). See ``apsup.supervisor.control`` for the wake-up guarantee.
 """
 
 from __future__ import annotations
@@ -21,12 +23,16 @@ from multiprocess.connection import wait
 
 from apsup.store import SqlBackend
 from apsup.store.leases import new_holder_id
-from apsup.supervisor.control import ControlChannel
+from apsup.supervisor.control import ALL, ControlChannel
 from apsup.supervisor.drain import drain
 from apsup.supervisor.supervisor import Supervisor
 from apsup.workers.pool import WorkerPool
 
 log = logging.getLogger("apsup.host")
+
+#: On elected backends a term that failed to establish this many times in a row is released,
+#: so that another replica may establish it (this host competes again at its next renewal).
+ESTABLISH_ATTEMPTS = 5
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,8 @@ class Host:
         self._next_renew = 0.0
         self._next_poll = 0.0
         self._last_renewed: dict[str, float] = {}
+        self._control_quiet_until = 0.0
+        self._next_watch = 0.0
 
     # -- control ------------------------------------------------------------------------------
     def stop(self) -> None:
@@ -93,18 +101,75 @@ class Host:
 
     # -- leadership ---------------------------------------------------------------------------
     def _claim(self, sup: Supervisor) -> None:
+        if self._stopping_workers(sup):
+            return  # Workers of its previous term are still being stopped: no second Worker
         term = self.backend.claim_term(sup.key, self.holder_id, self.lease.lease_seconds)
         if term is not None:
             self._last_renewed[sup.key] = time.monotonic()
-            sup.become_leader(term)
+            sup.become_leader(term)  # never raises: a failed establishment is retried
+
+    def _stopping_workers(self, sup: Supervisor) -> bool:
+        """Whether Workers of ``sup`` are still being stopped (exit not confirmed yet; Workers
+        the pool gave up on as unconfirmed no longer count)."""
+        live = {h.worker_id for h in self.pool.running() if h.state != "unconfirmed"}
+        return any(wid in live for wid in sup.running)
 
     def _terminate_workers(self, sup: Supervisor) -> None:
-        if not sup.running:
+        """A Supervisor without a term has no business running Workers, whichever path found
+        the term gone (renewal, a stale fenced step, a Worker's report). Stop them now, like a
+        shutdown but only this Supervisor's: SIGTERM, SIGKILL after the pool's grace, and wait
+        (bounded) for the confirmed exits, so no key of theirs is dispatched again meanwhile."""
+        if sup.term is not None:
             return
-        for ex in self.pool.terminate_all(self.shutdown_grace):
-            for s in self.supervisors:
-                if s.owns(ex.worker_id):
-                    s.on_exit(ex)
+        ids = {wid for wid in sup.running if wid not in sup.unclassified}
+        if not ids:
+            return
+        self.pool.terminate(ids)
+        deadline = (
+            time.monotonic()
+            + self.shutdown_grace
+            + self.pool.grace_seconds
+            + self.pool.confirm_seconds
+        )
+        while True:
+            for ex in self.pool.poll():
+                for s in self.supervisors:
+                    if s.owns(ex.worker_id):
+                        s.on_exit(ex)
+            live = [
+                h for h in self.pool.running() if h.worker_id in ids and h.state != "unconfirmed"
+            ]
+            remaining = deadline - time.monotonic()
+            if not live or remaining <= 0:
+                return
+            wait([h.sentinel for h in live], min(0.05, remaining))
+
+    def _release(self, sup: Supervisor, reason: str) -> None:
+        term = sup.term
+        sup.lose_leadership(reason)
+        self._terminate_workers(sup)
+        if term is None:
+            return
+        try:
+            self.backend.release_term(term)
+        except Exception as exc:
+            log.warning(
+                "release failed",
+                extra={"supervisor_key": sup.key, "exception_type": type(exc).__name__},
+            )
+
+    def _establish(self) -> None:
+        """Retry establishment of held terms; on elected backends release a term that keeps
+        failing so that a standby can try (SQLite has no other host: it keeps retrying)."""
+        for sup in self.supervisors:
+            if sup.term is None or sup.core is not None:
+                continue
+            if (
+                not sup.establish()
+                and self.elected
+                and sup.establish_failures >= (ESTABLISH_ATTEMPTS)
+            ):
+                self._release(sup, "term establishment failed repeatedly")
 
     def _maintain_leases(self, now: float) -> None:
         if not self.elected:
@@ -151,27 +216,76 @@ class Host:
         self._next_poll = time.monotonic() + self.lease.poll_seconds
 
     def cycle(self, max_wait: float | None = None) -> None:
-        """One iteration: act on everything due, then sleep until the next reason to wake."""
+        """One iteration: act on everything due, then sleep until the next reason to wake.
+
+        No error escapes: each stage is guarded, so a database blip costs one iteration of that
+        stage, never the host process (a restart would only meet the same blip)."""
         now = time.monotonic()
         self.heartbeat = now
-        for ex in self.pool.poll():
-            for sup in self.supervisors:
-                if sup.owns(ex.worker_id):
-                    sup.on_exit(ex)
+        self._guarded("exits", self._deliver_exits)
         if self.control is not None:
-            for family in self.control.drain():
-                for sup in self.supervisors:
-                    sup.notify(family)
+            self._guarded("control", self._drain_control)
         if self.elected and now >= self._next_poll:
             self._next_poll = now + self.lease.poll_seconds
             for sup in self.supervisors:
                 sup.notify_all()  # bounded polling for cross-process requests
-        self._maintain_leases(now)
+        self._guarded("lease", lambda: self._maintain_leases(now))
+        self._guarded("establish", self._establish)
         for sup in self.supervisors:
-            sup.step()
+            self._guarded("step", sup.step)
+            self._terminate_workers(sup)  # the step may have found the term stale
         if self.on_cycle is not None:
-            self.on_cycle(self)
+            self._guarded("observe", lambda: self.on_cycle(self) if self.on_cycle else None)
         self._sleep(max_wait)
+
+    def _deliver_exits(self) -> None:
+        for ex in self.pool.poll():
+            for sup in self.supervisors:
+                if sup.owns(ex.worker_id):
+                    sup.on_exit(ex)
+        for sup in self.supervisors:
+            sup.retry_classification()
+            self._terminate_workers(sup)  # a Worker may have reported the term stale
+
+    def _guarded(self, stage: str, fn: Callable[[], object]) -> None:
+        try:
+            fn()
+        except Exception as exc:
+            log.error(
+                "host step failed",
+                extra={"stage": stage, "exception_type": type(exc).__name__},
+                exc_info=log.isEnabledFor(logging.DEBUG),
+            )
+
+    def _drain_control(self) -> None:
+        """Datagrams (coalesced, at most once per ``min_interval``) and the file watch."""
+        assert self.control is not None
+        now = time.monotonic()
+        names: set[str] = set()
+        if now >= self._control_quiet_until:
+            names = self.control.drain()
+            if names:
+                self._control_quiet_until = now + self.control.min_interval
+        if now >= self._next_watch:
+            self._next_watch = now + self.control.watch_seconds
+            if self.control.files_changed():
+                names.add(ALL)
+        if not names:
+            return
+        # The publisher sent its datagram just before its COMMIT, holding SQLite's write lock:
+        # taking the lock once (an empty write transaction) makes its commit visible to the
+        # reads below. A failure here only delays the wake-up to the next file-watch tick.
+        try:
+            with self.backend.engine.begin():
+                pass
+        except Exception as exc:
+            log.debug("wake-up barrier failed", extra={"exception_type": type(exc).__name__})
+        for sup in self.supervisors:
+            if ALL in names:
+                sup.notify_all()
+            else:
+                for family in names:
+                    sup.notify(family)
 
     def _sleep(self, max_wait: float | None) -> None:
         timeout = self._timeout()
@@ -179,7 +293,13 @@ class Host:
             timeout = max_wait if timeout is None else min(timeout, max_wait)
         objects: list[int] = [self._wake_r, *self.pool.sentinels()]
         if self.control is not None:
-            objects.append(self.control.fileno())
+            # While quiet, pending datagrams wait in the kernel: a flood costs one drain per
+            # interval, not one loop iteration per datagram.
+            quiet = self._control_quiet_until - time.monotonic()
+            if quiet > 0:
+                timeout = quiet if timeout is None else min(timeout, quiet)
+            else:
+                objects.append(self.control.fileno())
         wait(objects, timeout)
         with contextlib.suppress(OSError):
             while os.read(self._wake_r, 512):
@@ -198,6 +318,8 @@ class Host:
         if self.elected:
             candidates.append(self._next_renew - mono)
             candidates.append(self._next_poll - mono)
+        if self.control is not None:
+            candidates.append(self._next_watch - mono)
         if not candidates:
             return None
         return max(0.0, min(candidates))

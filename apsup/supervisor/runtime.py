@@ -14,7 +14,8 @@ SQLite accepts only ``all`` (one host process; the host lock refuses a second on
 Modes: ``global`` runs one Supervisor (Lease ``global``) for every family in this host process.
 ``dedicated`` runs one Supervisor per family (Lease ``artifact:<family>``): inside this process
 on SQLite, and on MySQL/OceanBase as one child process per family, supervised by
-``apsup.supervisor.dedicated`` (restart with backoff, stop all on SIGTERM/SIGINT).
+``apsup.supervisor.dedicated`` (restart with backoff, stop all on SIGTERM/SIGINT); each child
+runs ``apsup.supervisor.dedicated_child``, which drives ``Runtime.run_host`` for its family.
 
 Standby replicas are healthy: they keep trying to claim at every renewal interval, answer
 ``/readyz`` with status ``standby`` (HTTP 200) and never exit for not being elected. Only the
@@ -26,13 +27,10 @@ host; the HTTP server only reads a snapshot the loop publishes after every cycle
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import signal
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.exc import DBAPIError
@@ -40,7 +38,7 @@ from sqlalchemy.exc import DBAPIError
 from apsup.errors import ConfigError
 from apsup.observability import tracing
 from apsup.observability.health import HealthServer, Heartbeat
-from apsup.observability.logging import configure_logging, log_startup, register_dsn
+from apsup.observability.logging import log_startup, register_dsn
 from apsup.observability.metrics import SupervisorMetrics
 from apsup.observability.status import FamilyStatus, StatusSnapshot, SupervisorStatus
 from apsup.observability.tracing import InvocationSpans
@@ -49,8 +47,11 @@ from apsup.policy import Disabled
 from apsup.registry import Family, Registry
 from apsup.scheduling import Backoff
 from apsup.store import SqlBackend, backend_kind, intents, open_backend
+from apsup.store.revision import check as check_revision
+from apsup.supervisor.dedicated import DedicatedLauncher
 from apsup.supervisor.host import Host, LeasePolicy
 from apsup.supervisor.launcher import MODES, build_host
+from apsup.supervisor.process import configure_logs, main_thread, signals
 from apsup.supervisor.supervisor import Hooks
 from apsup.supervisor.visibility import ScrapeCounter, observe_stall, publish_intervals
 from apsup.workers.exit_codes import ExitCode
@@ -246,6 +247,12 @@ class HostObserver:
                         or sup.unreconciled.get(name)
                         or (snap.last_error_stage if snap is not None else None)
                     )
+                if sup.term is not None and sup.core is None:
+                    # The Lease is held but the term is not established: nothing dispatches.
+                    status, reason = "degraded", sup.establish_error or "establishing term"
+                elif sup.term is not None and name in sup.reconciling:
+                    pages = sup.reconciling[name].pages
+                    status, reason = "degraded", f"reconciling ({pages} pages so far)"
                 running = snap.running if snap is not None else 0
                 ready = snap.ready if snap is not None else 0
                 retry_wait = snap.retry_wait if snap is not None else 0
@@ -286,39 +293,13 @@ class HostObserver:
         }
 
 
-def _main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()
-
-
-@contextlib.contextmanager
-def _signals(handler: Callable[[], None]) -> Iterator[None]:
-    """SIGTERM/SIGINT call ``handler`` while inside; previous handlers restored after.
-
-    Outside the main thread (an embedding application, tests) nothing is installed: the caller
-    stops the Runtime with ``Runtime.stop()``.
-    """
-    if not _main_thread():
-        yield
-        return
-    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-
-    def on_signal(signum: int, frame: Any) -> None:
-        handler()
-
-    for s in previous:
-        signal.signal(s, on_signal)
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-
-
 def _check_schema(backend: SqlBackend) -> None:
     """Fail fast with a clear message when the schema is missing; transient errors are logged
     (the loop keeps trying: a standby must not exit because the database is briefly away)."""
     try:
         backend.lease_rows()
+        with backend.read() as conn:
+            check_revision(conn)  # behind or ahead of this code: exit 2 naming `apsup migrate`
     except DBAPIError as exc:
         text = str(exc.orig).lower()
         if "no such table" in text or "doesn't exist" in text or "does not exist" in text:
@@ -361,7 +342,7 @@ class Runtime:
         self.topology = check_topology(settings)
         self._stopping = threading.Event()
         self._host: Host | None = None
-        self._launcher: Any = None
+        self._launcher: DedicatedLauncher | None = None
         self._health: HealthServer | None = None
         #: Set once the HTTP server (if any) is bound and the loop is running.
         self.started = threading.Event()
@@ -402,9 +383,9 @@ class Runtime:
         """Run until SIGTERM/SIGINT (main thread) or ``stop()``."""
         s = self.settings
         register_dsn(s.database_url)  # any log line that quotes the DSN or its password is masked
-        configure = _main_thread() if self.configure_logs is None else self.configure_logs
+        configure = main_thread() if self.configure_logs is None else self.configure_logs
         if configure:
-            _configure_logs(s.log_format, s.log_level)
+            configure_logs(s.log_format, s.log_level)
         log.info(
             "runtime starting",
             extra={
@@ -414,12 +395,10 @@ class Runtime:
                 "topology": self.topology,
             },
         )
-        with _signals(self.stop):
+        with signals(self.stop):
             if self.topology == "api":
                 self._run_api()
             elif self.topology == "processes":
-                from apsup.supervisor.dedicated import DedicatedLauncher
-
                 backend = open_backend(s.database_url)
                 try:
                     _check_schema(backend)
@@ -532,6 +511,8 @@ class Runtime:
             host.stop()
         try:
             self._start_http(observer.status, metrics, heartbeat)
+            if bundle.control is not None and self.http_port is not None:
+                bundle.control.publish_listener(self.settings.http_host, self.http_port)
             host.start()
             observer(host)
             log_startup(
@@ -562,19 +543,6 @@ class Runtime:
 def _any(families: Sequence[Family]) -> list[Any]:
     # log_startup's protocol declares settable attributes; Family is a frozen record.
     return list(families)
-
-
-def _configure_logs(fmt: str, level: str) -> None:
-    """Install apsup's redacting handler; drop a plain stderr handler (``basicConfig``) so that
-    lines are not printed twice."""
-    root = logging.getLogger()
-    for h in list(root.handlers):
-        if type(h) is logging.StreamHandler and getattr(h, "stream", None) in (
-            sys.stderr,
-            sys.stdout,
-        ):
-            root.removeHandler(h)
-    configure_logging(fmt, level)  # type: ignore[arg-type]
 
 
 __all__ = ["ROLES", "HostObserver", "MetricsHooks", "Runtime", "check_topology"]

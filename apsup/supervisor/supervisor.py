@@ -13,7 +13,7 @@ import logging
 import random
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -46,8 +46,48 @@ from apsup.workers.pool import WorkerExit, WorkerPool
 log = logging.getLogger("apsup.supervisor")
 
 
+#: A failed term establishment is retried after this delay, doubling up to the cap.
+ESTABLISH_RETRY_INITIAL = 0.2
+ESTABLISH_RETRY_MAX = 5.0
+#: Reconciliation runs pages for at most this long per loop iteration, then gives the loop back
+#: (Lease renewal, Worker exits, other families) and resumes from its last token.
+RECONCILE_SLICE_SECONDS = 0.2
+#: A reconciliation still running says so in the log every this many pages (it never stops
+#: on its own: a page count is no reason to leave dirty state unrebuilt).
+RECONCILE_LOG_PAGES = 1000
+#: A Worker exit that could not be classified (database error) is retried after this delay,
+#: doubling up to the cap; its key stays occupied meanwhile.
+CLASSIFY_RETRY_INITIAL = 0.1
+CLASSIFY_RETRY_MAX = 5.0
+
+
 def _reconcile_page(reconcile: Reconciler, fam: Family, token: object, conn: Connection) -> object:
     return reconcile(conn, fam, token)
+
+
+def _load_states(families: list[Family], conn: Connection) -> dict[str, scans.ScanState]:
+    return {f.name: scans.ensure_state(conn, f.binding_name) for f in families}
+
+
+@dataclass
+class _Reconciliation:
+    """One family's reconciliation in progress, resumable from ``token``."""
+
+    #: The check state to restore once done; ``None`` when the family is already restored
+    #: (a retry after a failed reconciliation, run beside normal dispatch).
+    state: BindingState | None
+    token: object = None
+    pages: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Unclassified:
+    """A confirmed Worker exit whose classification failed on a database error."""
+
+    exit: WorkerExit
+    attempts: int
+    due: float  # monotonic
 
 
 @dataclass
@@ -115,6 +155,15 @@ class Supervisor:
         #: Families whose reconciliation failed: degraded until a retry (at each of their
         #: checks) succeeds, however well their generic discovery works meanwhile.
         self.unreconciled: dict[str, str] = {}
+        #: Reconciliations in progress, paged across loop iterations (see ``reconcile_step``).
+        self.reconciling: dict[str, _Reconciliation] = {}
+        #: Why the held term is not established yet (None once it is, or when no term is held).
+        self.establish_error: str | None = None
+        self.establish_failures = 0
+        self._establish_due = 0.0
+        #: Confirmed exits awaiting classification (their keys stay occupied meanwhile).
+        self.unclassified: dict[str, _Unclassified] = {}
+        self._more_due = False  # the last step() stopped at max_steps with decisions left
 
     # -- time ------------------------------------------------------------------------------
     def sync_clock(self) -> None:
@@ -128,70 +177,160 @@ class Supervisor:
     # -- leadership ------------------------------------------------------------------------
     @property
     def leader(self) -> bool:
+        """Holds a term (claimed and renewed); it dispatches only once ``established``."""
         return self.term is not None
 
-    def become_leader(self, term: Term) -> None:
-        """Establish a term: load check state, restore requests and unfinished scans."""
+    @property
+    def established(self) -> bool:
+        """The term's core is restored: this Supervisor schedules and dispatches."""
+        return self.term is not None and self.core is not None
+
+    def become_leader(self, term: Term) -> bool:
+        """Hold ``term`` and try to establish it at once. A failed establishment is retried by
+        ``establish()`` (bounded backoff) while the host keeps renewing the Lease; until then the
+        Supervisor dispatches nothing and reports itself not ready."""
         self.term = term
-        self.sync_clock()
-        self.core = Scheduler(
+        self.core = None
+        self.reconciling.clear()
+        self.establish_error = None
+        self.establish_failures = 0
+        self._establish_due = 0.0
+        return self.establish()
+
+    def establish(self) -> bool:
+        """Sync the clock and load every family's check state under the term (one fenced
+        transaction), then build the core. Families with a reconciler are restored when their
+        reconciliation ends (``reconcile_step``), the others at once. Returns whether the term is
+        established; never raises (a stale term drops the term instead)."""
+        term = self.term
+        if term is None:
+            return False
+        if self.core is not None:
+            return True
+        if time.monotonic() < self._establish_due:
+            return False
+        stage = "sync_clock"
+        try:
+            self.sync_clock()
+            stage = "load"
+            states = self.backend.run_fenced(
+                term, functools.partial(_load_states, list(self.families.values()))
+            )
+        except StaleTermError as exc:
+            self.lose_leadership(f"stale term while establishing: {exc}")
+            return False
+        except Exception as exc:
+            self.establish_failures += 1
+            delay = min(
+                ESTABLISH_RETRY_MAX, ESTABLISH_RETRY_INITIAL * 2 ** (self.establish_failures - 1)
+            )
+            self._establish_due = time.monotonic() + delay
+            self.establish_error = f"term not established ({stage}: {type(exc).__name__})"
+            log.error(
+                "term establishment failed",
+                extra={
+                    "supervisor_key": self.key,
+                    "term": term.generation,
+                    "stage": stage,
+                    "exception_type": type(exc).__name__,
+                    "retry_count": self.establish_failures,
+                    "retry_delay": round(delay, 3),
+                },
+            )
+            return False
+        core = Scheduler(
             [FamilySpec(f.name, f.policy, f.max_workers) for f in self.families.values()],
             rng=self.rng,
             backoff=self.backoff,
         )
-
-        def load(conn: Connection) -> dict[str, scans.ScanState]:
-            return {
-                f.name: scans.ensure_state(conn, f.binding_name) for f in self.families.values()
-            }
-
-        self.reconcile()
-        for name, st in self.backend.run_fenced(term, load).items():
-            self.core.restore(
-                name,
-                BindingState(
-                    st.checkpoint,
-                    st.scan_generation,
-                    st.scan_in_progress,
-                    st.scan_upper_pending_sequence,
-                ),
+        for name, st in states.items():
+            state = BindingState(
+                st.checkpoint,
+                st.scan_generation,
+                st.scan_in_progress,
+                st.scan_upper_pending_sequence,
             )
+            if self.families[name].reconcile is None:
+                core.restore(name, state)
+            else:
+                self.reconciling[name] = _Reconciliation(state)
+        self.core = core
+        self.establish_error = None
+        self.establish_failures = 0
         log.info(
             "term established",
             extra={"supervisor_key": self.key, "term": term.generation, "holder": term.holder_id},
         )
+        return True
 
-    def reconcile(self, max_pages: int = 1000, only: str | None = None) -> None:
-        """Run each family's reconciler page by page (RFC §11): it rebuilds dirty state from
-        bounded domain facts and never accepts requests, so disabled admission stays disabled.
-        A failure degrades only that family; it is retried at the family's next check."""
-        for fam in self.families.values():
-            reconcile = fam.reconcile
-            if reconcile is None or (only is not None and fam.name != only):
-                continue
-            token: object = None
-            for _ in range(max_pages):
+    def reconcile_step(self, budget: float = RECONCILE_SLICE_SECONDS) -> bool:
+        """Run reconciliation pages (RFC §11: rebuild dirty state from bounded domain facts,
+        never accept requests) round-robin over the families that need it, for at most
+        ``budget`` seconds, then return to the loop so renewal keeps running. Resumes from the
+        last token next time. A family is restored once its reconciliation ends; a failure
+        degrades only that family, restores it anyway and is retried at its next check.
+        Returns whether reconciliation remains."""
+        core = self.core
+        if core is None or self.term is None:
+            return False
+        deadline = time.monotonic() + budget
+        while self.reconciling:
+            for name in list(self.reconciling):
+                run = self.reconciling[name]
+                fam = self.families[name]
+                reconcile = fam.reconcile
+                assert reconcile is not None
                 try:
                     token = self.backend.run(
-                        functools.partial(_reconcile_page, reconcile, fam, token)
+                        functools.partial(_reconcile_page, reconcile, fam, run.token)
                     )
                 except Exception as exc:
-                    self.unreconciled[fam.name] = f"reconcile: {type(exc).__name__}"
+                    self.unreconciled[name] = f"reconcile: {type(exc).__name__}"
                     log.error(
                         "reconciliation failed",
                         extra={
-                            "family": fam.name,
+                            "family": name,
                             "stage": "reconcile",
                             "exception_type": type(exc).__name__,
+                            "pages": run.pages,
                         },
                     )
-                    break
+                    self._end_reconciliation(core, name, run)
+                    continue
+                run.pages += 1
+                run.token = token
                 if token is None:
-                    self.unreconciled.pop(fam.name, None)
-                    break
+                    self.unreconciled.pop(name, None)
+                    log.info(
+                        "reconciliation completed",
+                        extra={
+                            "family": name,
+                            "pages": run.pages,
+                            "duration": round(time.monotonic() - run.started, 3),
+                        },
+                    )
+                    self._end_reconciliation(core, name, run)
+                elif run.pages % RECONCILE_LOG_PAGES == 0:
+                    log.warning(
+                        "reconciliation still running",
+                        extra={
+                            "family": name,
+                            "pages": run.pages,
+                            "duration": round(time.monotonic() - run.started, 3),
+                        },
+                    )
+            if time.monotonic() >= deadline:
+                break
+        return bool(self.reconciling)
+
+    def _end_reconciliation(self, core: Scheduler, name: str, run: _Reconciliation) -> None:
+        del self.reconciling[name]
+        if run.state is not None:
+            core.restore(name, run.state)
 
     def lose_leadership(self, reason: str) -> None:
-        """Stop dispatch at once; Workers are terminated by the host (their commits are fenced)."""
+        """Stop dispatch at once. The host terminates every Worker of a Supervisor without a
+        term, whichever path found the term stale (their commits are fenced anyway)."""
         if self.term is None:
             return
         log.warning(
@@ -202,13 +341,25 @@ class Supervisor:
         if self.core is not None:
             self.core.on_lease_lost()
         self.core = None
+        self.reconciling.clear()
+        self.establish_error = None
+        self.establish_failures = 0
 
     # -- the decision loop -----------------------------------------------------------------
     def step(self, max_steps: int = 256) -> int:
         """Execute decisions until the core has none due now; returns how many ran."""
         done = 0
-        while done < max_steps and self.core is not None and self.term is not None:
+        self._more_due = False
+        if self.term is not None and self.core is None:
+            self.establish()
+        if self.reconciling:
+            self.reconcile_step()
+        while self.core is not None and self.term is not None:
+            if done >= max_steps:
+                self._more_due = True  # more may be due now: the host must not sleep
+                break
             decision = self.core.decide(self.now())
+            self._log_policy_errors()
             if decision is None:
                 break
             done += 1
@@ -245,8 +396,8 @@ class Supervisor:
                 term, lambda c: scans.start_scan(c, fam.binding_name, d.checkpoint)
             )
             self.hooks.on_scan_started(d.family)
-            if d.family in self.unreconciled:
-                self.reconcile(only=d.family)
+            if d.family in self.unreconciled and d.family not in self.reconciling:
+                self.reconciling[d.family] = _Reconciliation(None)  # retried beside dispatch
             core.on_scan_started(
                 d.family, st.scan_generation, st.scan_upper_pending_sequence, d.checkpoint
             )
@@ -360,24 +511,61 @@ class Supervisor:
         return worker_id in self.running
 
     def on_exit(self, ex: WorkerExit) -> None:
-        """A Worker's exit is confirmed: classify it from its code and the durable state."""
-        inv = self.running.pop(ex.worker_id, None)
+        """A Worker's exit is confirmed: classify it from its code and the durable state.
+
+        Classification reads the intent row; if that read fails, the exit is kept and retried
+        (``retry_classification``) and the key stays occupied until it can be classified, so a
+        database blip neither kills the host nor frees a key whose outcome is unknown."""
+        inv = self.running.get(ex.worker_id)
         if inv is None:
             return
         fam = inv.family
-        with self.backend.read() as conn:
-            row = intents.get(conn, fam.binding_name, inv.scope_id)
+        try:
+            with self.backend.read() as conn:
+                row = intents.get(conn, fam.binding_name, inv.scope_id)
+        except Exception as exc:
+            pending = self.unclassified.get(ex.worker_id)
+            attempts = 1 if pending is None else pending.attempts + 1
+            delay = min(CLASSIFY_RETRY_MAX, CLASSIFY_RETRY_INITIAL * 2 ** (attempts - 1))
+            self.unclassified[ex.worker_id] = _Unclassified(ex, attempts, time.monotonic() + delay)
+            log.warning(
+                "worker exit not classified yet",
+                extra={
+                    "family": fam.name,
+                    "scope": inv.scope_id,
+                    "worker_id": inv.worker_id,
+                    "stage": "classify",
+                    "exception_type": type(exc).__name__,
+                    "retry_count": attempts,
+                    "retry_delay": round(delay, 3),
+                },
+            )
+            return
+        self.unclassified.pop(ex.worker_id, None)
+        del self.running[ex.worker_id]
         handled = row is not None and row.handled_generation >= inv.generation
         more = row is not None and row.requested_generation > row.handled_generation
+        stale_but_valid = (
+            ex.exitcode == ExitCode.STALE_TERM
+            and not ex.timed_out
+            and self.term is not None
+            and self.term.generation == inv.term_generation
+            and self._term_still_valid()
+        )
         cause: str | None
-        if ex.timed_out:
-            outcome, cause = Outcome.TIMEOUT, "timeout"
-        elif ex.exitcode == ExitCode.SUCCESS and handled:
+        if handled and (ex.timed_out or ex.exitcode == ExitCode.SUCCESS):
+            # Acknowledged: a deadline that passed after the acknowledgment is no timeout.
             outcome, cause = Outcome.SUCCESS, None
+        elif ex.timed_out:
+            outcome, cause = Outcome.TIMEOUT, "timeout"
         elif ex.exitcode == ExitCode.SUCCESS:
             outcome, cause = Outcome.FAILURE, "no_ack"  # exit 0 without durable ack
         elif ex.exitcode == ExitCode.PROGRESS_CONFLICT:
             outcome, cause = Outcome.CONFLICT, "conflict"
+        elif stale_but_valid:
+            # The Worker saw a stale term but ours stands: not the processor's failure; retry
+            # like a conflict, without growing the key's backoff.
+            outcome, cause = Outcome.CONFLICT, "stale_term"
         elif ex.exitcode == ExitCode.STALE_TERM:
             outcome, cause = Outcome.FAILURE, "stale_term"
         elif ex.exitcode is not None and ex.exitcode < 0:
@@ -392,7 +580,7 @@ class Supervisor:
             self.failed[fam.name] += 1
         if self.core is None or self.term is None or self.term.generation != inv.term_generation:
             return  # dispatched by an earlier term: the current one recovers from durable facts
-        if outcome is Outcome.FAILURE and cause == "stale_term" and not self._term_still_valid():
+        if outcome is Outcome.FAILURE and cause == "stale_term":
             self.lose_leadership("a Worker found the term stale")
             return
         self.core.on_worker_exit(fam.name, inv.scope_id, outcome, more, self.now(), token=inv.token)
@@ -437,10 +625,46 @@ class Supervisor:
             return True  # unknown: the host's renewal decides
         return True
 
+    def retry_classification(self) -> None:
+        """Classify again the exits whose classification failed, when their retry is due."""
+        now = time.monotonic()
+        for pending in list(self.unclassified.values()):
+            if pending.due <= now:
+                self.on_exit(pending.exit)
+
+    def _log_policy_errors(self) -> None:
+        core = self.core
+        if core is None:
+            return
+        while core.policy_errors:
+            family, error = core.policy_errors.popleft()
+            log.error(
+                "family policy cannot compute its next check",
+                extra={
+                    "family": family,
+                    "stage": "policy",
+                    "exception_type": error,
+                    "term": self.term.generation if self.term else None,
+                },
+            )
+
     def next_wakeup(self) -> datetime | None:
-        if self.core is None:
-            return None
-        return self.core.next_wakeup(self.now())
+        """When this Supervisor next needs the loop without an event (None: only on events)."""
+        now = self.now()
+        mono = time.monotonic()
+        times: list[datetime] = []
+        if self._more_due or self.reconciling:
+            times.append(now)
+        if self.term is not None and self.core is None:
+            times.append(now + timedelta(seconds=max(0.0, self._establish_due - mono)))
+        if self.unclassified:
+            due = min(p.due for p in self.unclassified.values())
+            times.append(now + timedelta(seconds=max(0.0, due - mono)))
+        if self.core is not None:
+            core_due = self.core.next_wakeup(now)
+            if core_due is not None:
+                times.append(core_due)
+        return min(times, default=None)
 
     def notify(self, family: str) -> None:
         if self.core is not None and family in self.families:

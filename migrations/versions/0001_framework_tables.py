@@ -1,6 +1,6 @@
 """Framework tables: intents, counters, binding states, leases.
 
-Revision ID: 0001
+Revision ID: apsup_0001
 Revises:
 Create Date: 2026-12-02
 """
@@ -8,12 +8,12 @@ Create Date: 2026-12-02
 from __future__ import annotations
 
 import sqlalchemy as sa
-from alembic import op
+from alembic import context, op
 from sqlalchemy.dialects import mysql
 
-revision = "0001"
+revision = "apsup_0001"
 down_revision = None
-branch_labels = None
+branch_labels = ("apsup",)
 depends_on = None
 
 Timestamp = sa.DateTime().with_variant(mysql.DATETIME(fsp=6), "mysql")
@@ -77,7 +77,8 @@ def upgrade() -> None:
     op.bulk_insert(counters, [{"name": "pending_sequence", "value": 0}])
     # A PR #1490 deployment already has this table (with last_auto_wave_completed_at); it
     # evolves in place in 0003 instead of being recreated (RFC §4, §11).
-    if sa.inspect(op.get_bind()).has_table("pc_artifact_processing_binding_states"):
+    offline = context.is_offline_mode()  # `apsup migrate --sql`: DDL for a new database
+    if not offline and sa.inspect(op.get_bind()).has_table("pc_artifact_processing_binding_states"):
         _create_leases()
         return
     op.create_table(

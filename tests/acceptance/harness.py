@@ -329,17 +329,21 @@ def write(backend: SqlBackend, fn: Callable[[Connection], Any]) -> Any:
 
 
 def request(backend: SqlBackend, fam: Family, scope_id: str, *, tell: bool = True) -> int:
-    """Accept an explicit request (committed first), then notify the local host (SQLite)."""
+    """Accept an explicit request. ``fam.request`` wakes a local host (SQLite) when it commits;
+    ``tell=False`` writes the intent below that hook, as a lost wake-up (the notification is
+    never sent)."""
+    if not tell:
+        return int(write(backend, lambda c: intents.request(c, fam.binding_name, scope_id)))
     generation = write(backend, lambda c: fam.request(c, scope_id))
-    if tell:
-        notify(backend.url, fam.name)
+    notify(backend.url, fam.name)  # redundant with the commit hook; harmless
     return int(generation)
 
 
 def mark_dirty(backend: SqlBackend, fam: Family, scope_id: str, *, tell: bool = True) -> int:
+    if not tell:
+        return int(write(backend, lambda c: intents.mark_dirty(c, fam.binding_name, scope_id)))
     generation = write(backend, lambda c: fam.mark_dirty(c, scope_id))
-    if tell:
-        notify(backend.url, fam.name)
+    notify(backend.url, fam.name)
     return int(generation)
 
 

@@ -1,8 +1,9 @@
 """RFC §8: SQLite scheduling wakes on notifications, automatic deadlines, retry deadlines and
 Worker exits; it adds no periodic database polling while idle.
 
-Once the host has nothing to do, a SQLAlchemy ``before_cursor_execute`` listener on the host's
-engine counts every statement over a quiet period: there must be none. A notification then
+Once the host has nothing to do (and its file watch has seen its own last commits), a
+SQLAlchemy ``before_cursor_execute`` listener on the host's engine counts every statement over a
+quiet period: there must be none. A notification then
 wakes it (the listener sees the host's queries, proving it was attached to the right engine).
 """
 
@@ -13,6 +14,7 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import event
 
+from apsup.supervisor.control import WATCH_SECONDS
 from tests.acceptance.families import configure
 from tests.acceptance.harness import handled, mark_dirty, request, scan_state
 
@@ -42,7 +44,9 @@ def test_idle_sqlite_host_makes_no_database_queries(hosts, store):
         )
 
     host.run_until(idle, "startup recovery and the first check are done")
-    host.cycle(max_wait=0.1)  # settle anything the last predicate raced with
+    # Settle: the file watch sees the host's and Workers' own last commits once and runs one
+    # request pass (reads) for them; after that nothing changes and nothing is read.
+    host.run_for(WATCH_SECONDS + 0.5)
 
     statements: list[str] = []
 

@@ -10,9 +10,9 @@ from sqlalchemy import insert
 
 from apsup.errors import ProgressConflict, StaleTermError
 from apsup.families import experience as ex
-from apsup.families._testing import (
+from apsup.testing import (
     SimulatedCrash,
-    claim,
+    claim_term,
     crashing,
     intent,
     make_context,
@@ -44,7 +44,7 @@ def test_consumes_at_most_k_items_per_invocation_and_cleans_only_when_drained(
     backend: Any,
 ) -> None:
     assert record(backend, "s", 45)[-1] == 45
-    term = claim(backend)
+    term = claim_term(backend)
     expected = [(1, 1, 20), (2, 21, 40), (3, 41, 45)]
     for n in range(1, 4):
         g = admit(backend, "s")
@@ -65,7 +65,7 @@ def test_consumes_at_most_k_items_per_invocation_and_cleans_only_when_drained(
 def test_repeated_invocation_is_idempotent(backend: Any) -> None:
     record(backend, "s", 30)
     admit(backend, "s")
-    term = claim(backend)
+    term = claim_term(backend)
     ctx = make_context(backend, FAM, "s", term, settings=K)
     FAM("s", ctx)
     FAM("s", make_context(backend, FAM, "s", term, generation=1, settings=K))  # duplicate G
@@ -75,15 +75,15 @@ def test_repeated_invocation_is_idempotent(backend: Any) -> None:
 def test_crash_after_commit_then_retry_does_not_duplicate(backend: Any) -> None:
     record(backend, "s", 25)
     admit(backend, "s")
-    term = claim(backend)
+    term = claim_term(backend)
     with pytest.raises(SimulatedCrash):
         FAM("s", crashing(make_context(backend, FAM, "s", term, settings=K), after=1))
     # The batch and its acknowledgment committed together; the retry of G consumes nothing.
-    FAM("s", make_context(backend, FAM, "s", claim(backend), generation=1, settings=K))
+    FAM("s", make_context(backend, FAM, "s", claim_term(backend), generation=1, settings=K))
     assert records(backend, "s") == [(1, 1, 20)]
     # A later admission continues from durable progress.
     admit(backend, "s")
-    FAM("s", make_context(backend, FAM, "s", claim(backend), settings=K))
+    FAM("s", make_context(backend, FAM, "s", claim_term(backend), settings=K))
     assert records(backend, "s") == [(1, 1, 20), (2, 21, 25)]
 
 
@@ -93,7 +93,7 @@ def test_concurrent_progress_raises_conflict_and_writes_nothing(
     record(backend, "s", 30)
     admit(backend, "s")
     admit(backend, "s")
-    term = claim(backend)
+    term = claim_term(backend)
     loser = make_context(backend, FAM, "s", term, generation=1, settings=K)
     winner = make_context(backend, FAM, "s", term, generation=2, settings=K)
     real = ex.read_progress
@@ -117,7 +117,7 @@ def test_concurrent_progress_raises_conflict_and_writes_nothing(
 def test_stale_term_writes_nothing(backend: Any) -> None:
     record(backend, "s", 5)
     admit(backend, "s")
-    ctx = make_context(backend, FAM, "s", claim(backend), settings=K)
+    ctx = make_context(backend, FAM, "s", claim_term(backend), settings=K)
     backend.invalidate_terms(["global"])
     with pytest.raises(StaleTermError):
         FAM("s", ctx)

@@ -11,14 +11,14 @@ from sqlalchemy import func, select
 from apsup.errors import StaleTermError
 from apsup.families import handoff as ho
 from apsup.families._common import AuthorizationDenied, DomainError
-from apsup.families._testing import (
+from apsup.policy import Disabled
+from apsup.testing import (
     SimulatedCrash,
-    claim,
+    claim_term,
     crashing,
     intent,
     make_context,
 )
-from apsup.policy import Disabled
 
 FAM = ho.FAMILY
 
@@ -59,7 +59,7 @@ def test_request_stores_reference_and_intent_together(backend: Any) -> None:
 def test_one_report_per_requested_generation_idempotently(backend: Any) -> None:
     ask(backend, "s", "blob://1")
     ask(backend, "s", "blob://2")
-    term = claim(backend)
+    term = claim_term(backend)
     ctx = make_context(backend, FAM, "s", term)  # coalesced: carries G = 2
     ask(backend, "s", "blob://3")  # arrives while the invocation runs
     FAM("s", ctx)
@@ -79,11 +79,11 @@ def test_crash_between_report_commit_and_ack_does_not_duplicate(backend: Any) ->
         ask(backend, "s", f"blob://{i}")
     settings = {"HANDOFF_PAGE": "2"}  # three short transactions; the last acknowledges
     with pytest.raises(SimulatedCrash):
-        FAM("s", crashing(make_context(backend, FAM, "s", claim(backend), settings=settings)))
+        FAM("s", crashing(make_context(backend, FAM, "s", claim_term(backend), settings=settings)))
     assert len(reports(backend, "s")) == 2
     row = intent(backend, FAM, "s")
     assert row is not None and row.handled_generation == 0
-    FAM("s", make_context(backend, FAM, "s", claim(backend), settings=settings))
+    FAM("s", make_context(backend, FAM, "s", claim_term(backend), settings=settings))
     assert [g for g, _ in reports(backend, "s")] == [1, 2, 3, 4, 5]
     row = intent(backend, FAM, "s")
     assert row is not None and row.handled_generation == 5
@@ -113,7 +113,7 @@ def test_invalid_reference_is_rejected(backend: Any) -> None:
 
 def test_stale_term_writes_nothing(backend: Any) -> None:
     ask(backend, "s", "blob://1")
-    ctx = make_context(backend, FAM, "s", claim(backend))
+    ctx = make_context(backend, FAM, "s", claim_term(backend))
     backend.invalidate_terms(["global"])
     with pytest.raises(StaleTermError):
         FAM("s", ctx)

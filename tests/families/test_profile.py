@@ -12,15 +12,15 @@ import pytest
 from apsup.errors import StaleTermError
 from apsup.families import profile as pf
 from apsup.families._common import AuthorizationDenied, DomainError
-from apsup.families._testing import (
+from apsup.policy import Cron
+from apsup.store import scans
+from apsup.testing import (
     SimulatedCrash,
-    claim,
+    claim_term,
     crashing,
     intent,
     make_context,
 )
-from apsup.policy import Cron
-from apsup.store import scans
 
 FAM = pf.FAMILY
 FIRE1 = datetime(2026, 12, 1, 18, 0)  # 02:00 Asia/Shanghai on Dec 2
@@ -42,7 +42,7 @@ def admit(backend: Any, scope: str, fire: datetime | None = None) -> int:
 
 
 def run(backend: Any, scope: str, term: Any = None, **kw: Any) -> None:
-    FAM(scope, make_context(backend, FAM, scope, term or claim(backend), **kw))
+    FAM(scope, make_context(backend, FAM, scope, term or claim_term(backend), **kw))
 
 
 def cands(backend: Any, scope: str) -> list[dict[str, Any]]:
@@ -58,7 +58,7 @@ def test_cron_policy_is_preserved() -> None:
 def test_fire_produces_one_pending_candidate_and_publishes_nothing(backend: Any) -> None:
     add(backend, "s", "likes tea", "lives in Hangzhou")
     g = admit(backend, "s", FIRE1)
-    term = claim(backend)
+    term = claim_term(backend)
     run(backend, "s", term)
     [c] = cands(backend, "s")
     assert c["status"] == pf.PENDING and c["cron_fire"] == FIRE1
@@ -74,7 +74,7 @@ def test_one_fire_never_yields_two_candidates_across_restarts(backend: Any) -> N
     add(backend, "s", "a")
     admit(backend, "s", FIRE1)
     with pytest.raises(SimulatedCrash):  # committed, then the Worker died before reporting
-        FAM("s", crashing(make_context(backend, FAM, "s", claim(backend)), after=1))
+        FAM("s", crashing(make_context(backend, FAM, "s", claim_term(backend)), after=1))
     run(backend, "s", generation=1)  # redelivery of the same G after a restart
     [c] = cands(backend, "s")
     with backend.transaction() as conn:
@@ -150,7 +150,7 @@ def test_authorization_denial_fails_only_that_scope(backend: Any) -> None:
         pf.set_access(conn, "denied", allowed=False)
     admit(backend, "denied", FIRE1)
     admit(backend, "ok")
-    term = claim(backend)
+    term = claim_term(backend)
     with pytest.raises(AuthorizationDenied):
         run(backend, "denied", term)
     run(backend, "ok", term)
@@ -181,7 +181,7 @@ def test_disabled_policy_generates_nothing_and_reenable_restores_work(backend: A
 def test_stale_term_writes_nothing(backend: Any) -> None:
     add(backend, "s", "a")
     admit(backend, "s", FIRE1)
-    ctx = make_context(backend, FAM, "s", claim(backend))
+    ctx = make_context(backend, FAM, "s", claim_term(backend))
     backend.invalidate_terms(["global"])
     with pytest.raises(StaleTermError):
         FAM("s", ctx)

@@ -14,9 +14,9 @@ from sqlalchemy import delete, func, insert, select
 from apsup.errors import ProgressConflict, StaleTermError
 from apsup.families import topic_memory as tm
 from apsup.families._common import SourceFailure
-from apsup.families._testing import (
+from apsup.testing import (
     SimulatedCrash,
-    claim,
+    claim_term,
     crashing,
     intent,
     make_context,
@@ -70,7 +70,7 @@ def test_append_marks_dirty_and_flush_accepts_only_uncovered_work(backend: Any) 
 def test_processor_folds_sources_in_order_and_acknowledges(backend: Any) -> None:
     append(backend, "s", "a", "b", "c")
     request(backend, "s")
-    term = claim(backend)
+    term = claim_term(backend)
     ctx = make_context(backend, FAM, "s", term, settings=settings(sources=2))
     FAM(ctx.scope_id, ctx)
     revs = revisions(backend, "s")
@@ -94,7 +94,9 @@ def test_partial_invocation_leaves_ordinary_remaining_work(backend: Any) -> None
     """Acceptance 4: one bounded window, acknowledged, remaining work stays dirty."""
     append(backend, "s", *[f"m{i}" for i in range(5)])
     request(backend, "s")
-    ctx = make_context(backend, FAM, "s", claim(backend), settings=settings(sources=2, windows=1))
+    ctx = make_context(
+        backend, FAM, "s", claim_term(backend), settings=settings(sources=2, windows=1)
+    )
     FAM("s", ctx)
     row = intent(backend, FAM, "s")
     assert row is not None and row.handled_generation == 1
@@ -109,7 +111,7 @@ def test_byte_bound_window_takes_at_least_one_source(backend: Any) -> None:
         backend,
         FAM,
         "s",
-        claim(backend),
+        claim_term(backend),
         settings={"TOPIC_MEMORY_WINDOW_BYTES": "50", "TOPIC_MEMORY_WINDOWS_PER_INVOCATION": "9"},
     )
     FAM("s", ctx)
@@ -128,7 +130,7 @@ def test_failing_position_is_never_overtaken(backend: Any) -> None:
         conn.execute(insert(tm.topic_poison).values(scope_id="B", position=3))
     request(backend, "B")
     request(backend, "A")
-    term = claim(backend)
+    term = claim_term(backend)
     for _ in range(2):  # the retry fails the same way, at the same place
         ctx = make_context(backend, FAM, "B", term, settings=settings(sources=10))
         with pytest.raises(SourceFailure) as err:
@@ -159,7 +161,7 @@ def test_failing_first_position_commits_nothing(backend: Any) -> None:
         conn.execute(insert(tm.topic_poison).values(scope_id="s", position=1))
     request(backend, "s")
     with pytest.raises(SourceFailure):
-        FAM("s", make_context(backend, FAM, "s", claim(backend)))
+        FAM("s", make_context(backend, FAM, "s", claim_term(backend)))
     assert revisions(backend, "s") == []
     assert cursor(backend, "s").source_through == 0
 
@@ -168,7 +170,7 @@ def test_duplicate_invocation_of_handled_generation_consumes_nothing(backend: An
     """Acceptance 9: a duplicate of an acknowledged G consumes no new input."""
     append(backend, "s", "a")
     request(backend, "s")
-    term = claim(backend)
+    term = claim_term(backend)
     ctx = make_context(backend, FAM, "s", term)
     FAM("s", ctx)
     append(backend, "s", "b")  # new input after the acknowledgment
@@ -185,10 +187,10 @@ def test_stale_term_commit_fails_atomically(backend: Any) -> None:
     """Acceptance 10: an old term's commit writes nothing (no revision, cursor, ack, clean)."""
     append(backend, "s", "a", "b")
     request(backend, "s")
-    old = claim(backend)
+    old = claim_term(backend)
     ctx = make_context(backend, FAM, "s", old)
     backend.invalidate_terms(["global"])  # leadership changed before the Worker committed
-    claim(backend)
+    claim_term(backend)
     with pytest.raises(StaleTermError):
         FAM("s", ctx)
     assert revisions(backend, "s") == []
@@ -203,7 +205,7 @@ def test_crash_between_business_commit_and_ack_resumes_without_duplicates(backen
     """Acceptance 9: failure after partial legitimate commits recovers from business progress."""
     append(backend, "s", *[f"m{i}" for i in range(6)])
     request(backend, "s")
-    term = claim(backend)
+    term = claim_term(backend)
     ctx = make_context(backend, FAM, "s", term, settings=settings(sources=2, windows=3))
     with pytest.raises(SimulatedCrash):
         FAM("s", crashing(ctx, after=1))
@@ -211,7 +213,7 @@ def test_crash_between_business_commit_and_ack_resumes_without_duplicates(backen
     row = intent(backend, FAM, "s")
     assert row is not None and row.handled_generation == 0  # not acknowledged
     # The retry (same G, possibly a new term) resumes from the durable cursor.
-    retry = make_context(backend, FAM, "s", claim(backend), settings=settings(2, 3))
+    retry = make_context(backend, FAM, "s", claim_term(backend), settings=settings(2, 3))
     FAM("s", retry)
     revs = revisions(backend, "s")
     assert [(r["revision"], r["source_from"], r["source_through"]) for r in revs] == [
@@ -230,7 +232,7 @@ def test_concurrent_head_move_raises_progress_conflict(
     append(backend, "s", "a", "b")
     request(backend, "s")
     request(backend, "s")
-    term = claim(backend)
+    term = claim_term(backend)
     loser = make_context(backend, FAM, "s", term, generation=1)
     winner = make_context(backend, FAM, "s", term, generation=2)
     real = tm._select_window
@@ -266,7 +268,7 @@ def test_source_arriving_during_processing_is_not_swallowed(
         return result
 
     monkeypatch.setattr(tm, "_select_window", select_then_append)
-    FAM("s", make_context(backend, FAM, "s", claim(backend)))
+    FAM("s", make_context(backend, FAM, "s", claim_term(backend)))
     row = intent(backend, FAM, "s")
     assert row is not None and row.handled_generation == 1
     assert row.dirty  # the late Source keeps the Scope dirty
@@ -282,7 +284,7 @@ def test_source_bodies_never_reach_logs_or_errors(
     request(backend, "s")
     caplog.set_level(logging.DEBUG)
     with pytest.raises(SourceFailure) as err:
-        FAM("s", make_context(backend, FAM, "s", claim(backend)))
+        FAM("s", make_context(backend, FAM, "s", claim_term(backend)))
     assert SECRET not in str(err.value) and SECRET not in repr(err.value)
     assert SECRET not in caplog.text
     assert "sources=1..1" in caplog.text  # processors log domain fields such as ranges

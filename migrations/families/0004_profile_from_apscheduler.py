@@ -1,7 +1,7 @@
-"""Move Profile from its APScheduler cron sidecar onto the Supervisor (RFC §11, acceptance 13).
+"""Move Profile from its APScheduler cron sidecar onto the Supervisor.
 
-Revision ID: 0004
-Revises: 0003
+Revision ID: apsup_0004
+Revises: apsup_0003
 Create Date: 2026-12-03
 
 Run during maintenance shutdown, after the APScheduler sidecar has stopped. On a database
@@ -48,12 +48,12 @@ from typing import Any
 from zoneinfo import ZoneInfo
 
 import sqlalchemy as sa
-from alembic import op
+from alembic import context, op
 from croniter import croniter
 from sqlalchemy.dialects import mysql
 
-revision = "0004"
-down_revision = "0003"
+revision = "apsup_0004"
+down_revision = "apsup_0003"
 branch_labels = None
 depends_on = None
 
@@ -162,6 +162,12 @@ def latest_started_fire(conn: sa.Connection, tables: set[str]) -> datetime | Non
 
 
 def upgrade() -> None:
+    if context.is_offline_mode():
+        # A new database needs nothing here; mapping a job store needs the live database.
+        op.execute(
+            f"-- {revision}: no DDL; a database with an APScheduler job store: `apsup migrate`"
+        )
+        return
     conn = op.get_bind()
     tables = set(sa.inspect(conn).get_table_names())
     started = latest_started_fire(conn, tables)

@@ -1,7 +1,7 @@
-"""Move a Topic Memory (PR #1490) deployment onto the Supervisor contract (RFC §11, acc. 12).
+"""Move an earlier Topic Memory deployment (its own scheduler tables) onto the Supervisor.
 
-Revision ID: 0003
-Revises: 0002
+Revision ID: apsup_0003
+Revises: apsup_0002
 Create Date: 2026-12-03
 
 Run during maintenance shutdown (old Supervisor and Workers stopped, writes paused). On a
@@ -67,11 +67,11 @@ from __future__ import annotations
 from typing import Any
 
 import sqlalchemy as sa
-from alembic import op
+from alembic import context, op
 from sqlalchemy.dialects import mysql
 
-revision = "0003"
-down_revision = "0002"
+revision = "apsup_0003"
+down_revision = "apsup_0002"
 branch_labels = None
 depends_on = None
 
@@ -220,6 +220,12 @@ def upsert_intent(
 
 
 def upgrade() -> None:
+    if context.is_offline_mode():
+        # A new database needs nothing here; mapping legacy tables needs the live database.
+        op.execute(
+            f"-- {revision}: no DDL; a database with legacy Topic Memory tables: `apsup migrate`"
+        )
+        return
     conn = op.get_bind()
     insp = sa.inspect(conn)
     tables = set(insp.get_table_names())

@@ -1,7 +1,7 @@
 """Domain tables of the reference families (topic-memory, experience, profile, handoff).
 
-Revision ID: 0002
-Revises: 0001
+Revision ID: apsup_0002
+Revises: - (a separate branch, `apsup_families`; depends on apsup_0001)
 Create Date: 2026-12-03
 
 The shapes are frozen here (a migration never imports application code); ``tests/
@@ -16,13 +16,13 @@ these shapes, with their Cursors and journals, and a migration must not recreate
 from __future__ import annotations
 
 import sqlalchemy as sa
-from alembic import op
+from alembic import context, op
 from sqlalchemy.dialects import mysql
 
-revision = "0002"
-down_revision = "0001"
-branch_labels = None
-depends_on = None
+revision = "apsup_0002"
+down_revision = None
+branch_labels = ("apsup_families",)
+depends_on = "apsup_0001"
 
 Timestamp = sa.DateTime().with_variant(mysql.DATETIME(fsp=6), "mysql")
 SCOPE = 255
@@ -151,7 +151,10 @@ def tables() -> dict[str, list[sa.SchemaItem]]:
 
 
 def upgrade() -> None:
-    existing = set(sa.inspect(op.get_bind()).get_table_names())
+    # Offline (`apsup migrate --sql`) the DDL is for a new database: every table is created.
+    existing = (
+        set() if context.is_offline_mode() else set(sa.inspect(op.get_bind()).get_table_names())
+    )
     for name, items in tables().items():
         if name in existing:
             continue  # shipped by a pre-Supervisor deployment: keep it and its data

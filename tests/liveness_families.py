@@ -1,0 +1,121 @@
+"""Families for the liveness tests (module level: Workers import them by entry point).
+
+``live-work`` runs one processor whose behaviour is chosen by the part of the Scope id before the
+first ``.``; it talks to the test through files in the directory named by the Worker setting
+``LIVE_DIR`` (``started.<scope>`` holds the Worker pid, ``go.<scope>`` releases a waiting one):
+
+=========  ======================================================================================
+ok         acknowledge
+ackwait    acknowledge, write ``acked.<scope>``, then wait for ``go.<scope>`` before exiting
+slow       sleep two minutes (a SIGTERM ends it)
+stalewait  wait for ``go.<scope>``, then acknowledge (raises StaleTermError on an invalid term)
+fakestale  attempt 1 (no ``attempt.<scope>`` file yet): raise StaleTermError although the term
+           is valid; later attempts acknowledge
+lateack    acknowledge, then sleep past the family timeout (``live-late`` has a 1 s timeout)
+=========  ======================================================================================
+
+``live-scan`` checks every second (its StartScan is a fenced control write each time).
+``live-recon`` has a reconciler run in the host process; ``RECON`` sets how many pages it
+returns and how long each page's query takes (``SELECT SLEEP`` on MySQL: real database time).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Connection, text
+
+from apsup.context import ExecutionContext
+from apsup.errors import StaleTermError
+from apsup.registry import Family, Registry, family
+
+registry = Registry()
+
+#: Reconciler behaviour (host process only): pages to return, seconds per page, pages seen.
+RECON: dict[str, Any] = {"pages": 1, "page_seconds": 0.0, "seen": 0}
+
+
+def _dir(ctx: ExecutionContext) -> Path:
+    return Path(ctx.settings["LIVE_DIR"])
+
+
+def _wait_for(path: Path, limit: float = 120.0) -> None:
+    deadline = time.monotonic() + limit
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path.name} never appeared")
+        time.sleep(0.02)
+
+
+def _ack(ctx: ExecutionContext) -> None:
+    with ctx.fenced() as conn:
+        ctx.acknowledge(conn)
+
+
+def behave(scope_id: str, ctx: ExecutionContext) -> None:
+    kind = scope_id.split(".", 1)[0]
+    if kind == "ok" and "LIVE_DIR" not in ctx.settings:
+        _ack(ctx)  # run by a Runtime, which passes no LIVE_DIR
+        return
+    d = _dir(ctx)
+    (d / f"started.{scope_id}").write_text(str(os.getpid()))
+    if kind == "ok":
+        _ack(ctx)
+    elif kind == "ackwait":
+        _ack(ctx)
+        (d / f"acked.{scope_id}").touch()
+        _wait_for(d / f"go.{scope_id}")
+    elif kind == "slow":
+        time.sleep(120)
+    elif kind == "stalewait":
+        _wait_for(d / f"go.{scope_id}")
+        _ack(ctx)
+    elif kind == "fakestale":
+        marker = d / f"attempt.{scope_id}"
+        if not marker.exists():
+            marker.touch()
+            raise StaleTermError("simulated: the Worker believes the term moved on")
+        _ack(ctx)
+    elif kind == "lateack":
+        _ack(ctx)
+        time.sleep(30)
+    else:
+        raise ValueError(f"unknown kind {kind!r}")
+
+
+@family("live-work", max_workers=4, timeout=60, registry=registry)
+def live_work(scope_id: str, ctx: ExecutionContext) -> None:
+    behave(scope_id, ctx)
+
+
+@family("live-late", max_workers=2, timeout=1.0, registry=registry)
+def live_late(scope_id: str, ctx: ExecutionContext) -> None:
+    behave(scope_id, ctx)
+
+
+@family("live-scan", interval=1.0, max_workers=2, timeout=60, registry=registry)
+def live_scan(scope_id: str, ctx: ExecutionContext) -> None:
+    behave(scope_id, ctx)
+
+
+@family("live-recon", max_workers=2, timeout=60, registry=registry)
+def live_recon(scope_id: str, ctx: ExecutionContext) -> None:
+    behave(scope_id, ctx)
+
+
+@live_recon.reconciler
+def reconcile_pages(conn: Connection, fam: Family, token: Any) -> Any:
+    """Page ``token`` (0-based) of ``RECON['pages']``; each page runs one real query."""
+    page = 0 if token is None else int(token)
+    seconds = float(RECON["page_seconds"])
+    if seconds > 0 and conn.dialect.name == "mysql":
+        conn.execute(text("SELECT SLEEP(:s)"), {"s": seconds}).all()
+    else:
+        conn.execute(text("SELECT 1")).all()
+        if seconds > 0:
+            time.sleep(seconds)
+    RECON["seen"] = page + 1
+    return None if page + 1 >= int(RECON["pages"]) else page + 1
