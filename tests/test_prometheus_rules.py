@@ -64,11 +64,27 @@ def _exported_names() -> set[str]:
     m.set_unacknowledged("f", 1)
     m.set_stall("f", None, 0)
     m.set_family_timing("f", 60, 600)
-    names: set[str] = set()
+    names = _defined_in_source()
     for metric in m.registry.collect():
         names.add(metric.name)
         names.update(sample.name for sample in metric.samples)
     return names
+
+
+def _defined_in_source() -> set[str]:
+    """Series defined anywhere else in the code (e.g. the dedicated launcher's own registry),
+    with the suffixes Prometheus exposes for them."""
+    pattern = re.compile(r'(Gauge|Counter|Histogram)\(\s*"(apsup_[a-z0-9_]+)"')
+    out: set[str] = set()
+    for folder in ("apsup", "workers"):
+        for path in (REPO / folder).rglob("*.py"):
+            for kind, name in pattern.findall(path.read_text()):
+                out.add(name)
+                if kind == "Counter":
+                    out.add(name + "_total")
+                if kind == "Histogram":
+                    out.update(name + s for s in ("_bucket", "_count", "_sum"))
+    return out
 
 
 def _names(exprs: list[str]) -> set[str]:
