@@ -4,6 +4,7 @@ a second SIGTERM skips the drain, and the interrupted request stays pending."""
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from collections.abc import Callable
@@ -12,7 +13,7 @@ import pytest
 
 from apsup.store import intents, open_backend
 from tests import visibility_families as fams
-from tests.test_worker_visibility import Host, host_factory, metric, request, wait_for
+from tests.test_worker_visibility import Host, host_factory, http, metric, request, wait_for
 
 __all__ = ["host_factory"]  # the fixture, imported for this module's tests
 
@@ -67,3 +68,29 @@ def test_second_sigterm_skips_the_drain_and_keeps_the_request(
     assert h.proc.wait(timeout=60) == 0, h.text()[-3000:]
     assert time.monotonic() - started < 60
     assert _generations(db_url, fams.vis_hang, "s1") == (1, 0)  # still pending for a restart
+
+
+def _running_in_status(port: int, family: str) -> bool:
+    code, body = http(port, "/status")
+    if code != 200:
+        return False
+    snap = json.loads(body)
+    return any(
+        (sup.get("families", {}).get(family) or {}).get("running", 0) >= 1
+        for sup in snap.get("supervisors", [])
+    )
+
+
+def test_dedicated_mode_drains_too(host_factory: Callable[..., Host], db_url: str) -> None:
+    """MySQL: the launcher forwards SIGTERM to each Family's process, which drains; SQLite: one
+    host with a Supervisor per Family."""
+    h = host_factory(
+        "ARTIFACT_PROCESSING_SUPERVISOR_MODE=dedicated",
+        "SHUTDOWN_DRAIN_SECONDS=30",
+        "SHUTDOWN_GRACE_SECONDS=2",
+    )
+    request(db_url, fams.vis_slow, "s1")
+    wait_for(lambda: _running_in_status(h.port, "vis-slow"), "a running vis-slow invocation")
+    h.proc.send_signal(signal.SIGTERM)
+    assert h.proc.wait(timeout=90) == 0, h.text()[-3000:]
+    assert _generations(db_url, fams.vis_slow, "s1") == (1, 1), h.text()[-3000:]
