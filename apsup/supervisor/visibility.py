@@ -67,12 +67,14 @@ class ScrapeCounter:
             if now < self._next:
                 return
             self._next = now + SCRAPE_COUNT_SECONDS
+        sups = list(self.host.supervisors)
         led: list[Any] = [
-            fam
-            for sup in list(self.host.supervisors)
-            if sup.term is not None
-            for fam in sup.families.values()
+            fam for sup in sups if sup.term is not None for fam in sup.families.values()
         ]
+        for sup in sups:  # a standby (or a former leader) reports none: sums stay right
+            if sup.term is None:
+                for name in sup.families:
+                    self.metrics.set_unacknowledged(name, 0)
         if not led:
             return
         with self.host.backend.read() as conn:
