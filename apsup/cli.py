@@ -107,17 +107,50 @@ def _flatten(value: Any, prefix: str = "") -> list[str]:
     return [f"{prefix} = {value}"]
 
 
+def _scope_argument(raw: str) -> str:
+    """The SCOPE argument as a valid Scope id, or a ConfigError saying what is wrong with it
+    (argv bytes that are not UTF-8 arrive as lone surrogates and cannot be stored)."""
+    from apsup.errors import IntentError
+    from apsup.store.intents import check_scope_id
+
+    try:
+        return check_scope_id(raw)
+    except IntentError as exc:
+        raise ConfigError(f"the SCOPE argument is not a valid Scope id: {exc}") from None
+
+
+def _require_schema(backend: Any) -> None:
+    """Refuse a database without the apsup tables before writing anything to it."""
+    from sqlalchemy import select
+    from sqlalchemy.exc import DBAPIError
+
+    from apsup.store.schema import counters
+
+    try:
+        with backend.read() as conn:
+            conn.execute(select(counters.c.name).limit(1)).all()
+    except DBAPIError as exc:
+        text = str(exc.orig).lower()
+        if "no such table" in text or "doesn't exist" in text or "does not exist" in text:
+            raise ConfigError(
+                f"the apsup schema is missing in {backend.describe()}: run `apsup migrate` first"
+            ) from None
+        raise
+
+
 def cmd_trigger(args: argparse.Namespace) -> int:
     from apsup.store import open_backend
     from apsup.supervisor.control import notify
 
     registry = _import_apps(args.app)
     fam = registry.get(args.family)
+    scope = _scope_argument(args.scope)
     url = _db_url(args)
     backend = open_backend(url)
     try:
+        _require_schema(backend)
         with backend.transaction() as conn:
-            generation = fam.request(conn, args.scope)
+            generation = fam.request(conn, scope)
     finally:
         backend.dispose()
     delivered = notify(url, fam.name)
@@ -258,6 +291,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        from sqlalchemy.exc import DBAPIError
+
+        if not isinstance(exc, DBAPIError):
+            raise
+        # One line, not a traceback: the driver's own message (no SQL, no parameters, no DSN).
+        lines = str(exc.orig).strip().splitlines()
+        reason = lines[0] if lines else ""
+        print(f"apsup: database error ({type(exc.orig).__name__}): {reason}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

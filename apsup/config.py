@@ -48,12 +48,18 @@ from pathlib import Path
 from typing import Any, TypeVar
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from croniter import croniter
 from sqlalchemy.engine import make_url
 
 from apsup.errors import ConfigError
-from apsup.policy import Cron, Disabled, Policy
-from apsup.registry import Family, Registry, default_registry, make_policy
+from apsup.policy import MAX_INTERVAL_SECONDS, Cron, Disabled, Policy, cron_problem
+from apsup.registry import (
+    MAX_TIMEOUT_SECONDS,
+    MAX_WORKERS_LIMIT,
+    Family,
+    Registry,
+    default_registry,
+    make_policy,
+)
 from apsup.store import backend_kind, redact_url
 
 __all__ = [
@@ -200,10 +206,22 @@ class _Reader:
         return self.parse(name, convert, "one of " + " | ".join(options))
 
 
-def _number(low: float, *, inclusive: bool) -> Callable[[str], float]:
+# ASCII only: Python's int()/float() also accept other scripts' digits (U+FF13), '_' separators,
+# 'inf' and 'nan', none of which an operator means in a number of seconds or Workers.
+_INTEGER_RE = re.compile(r"[+-]?[0-9]{1,19}")
+_NUMBER_RE = re.compile(r"[+-]?(?:[0-9]{1,19}(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]{1,3})?")
+#: Upper bound of the runtime-wide durations (lease, renewal, poll, shutdown grace).
+HOUR = 3600.0
+
+
+def _number(low: float, *, inclusive: bool, high: float = math.inf) -> Callable[[str], float]:
     def convert(raw: str) -> float:
+        if not _NUMBER_RE.fullmatch(raw):
+            raise ValueError(raw)
         value = float(raw)
         if not math.isfinite(value) or value < low or (value == low and not inclusive):
+            raise ValueError(raw)
+        if value > high:
             raise ValueError(raw)
         return value
 
@@ -212,6 +230,8 @@ def _number(low: float, *, inclusive: bool) -> Callable[[str], float]:
 
 def _integer(low: int, high: int | None = None) -> Callable[[str], int]:
     def convert(raw: str) -> int:
+        if not _INTEGER_RE.fullmatch(raw):
+            raise ValueError(raw)
         value = int(raw, 10)
         if value < low or (high is not None and value > high):
             raise ValueError(raw)
@@ -232,6 +252,14 @@ def _boolean(raw: str) -> bool:
     if value in {"0", "false", "no", "off"}:
         return False
     raise ValueError(raw)
+
+
+def _schedule_seconds(raw: str) -> float:
+    """Interval seconds: 0 (disabled) up to a year; larger values overflow datetime maths."""
+    value = _number(0, inclusive=True)(raw)
+    if value > MAX_INTERVAL_SECONDS:
+        raise ValueError(raw)
+    return value
 
 
 def _valid_timezone(name: str) -> bool:
@@ -328,10 +356,10 @@ class Settings:
         port = r.parse("HTTP_PORT", _http_port, "an integer port 0-65535, or off")
         http_port = 0 if port is None else (None if port < 0 else port)
         src("http_port", "HTTP_PORT")
-        positive = _number(0, inclusive=False)
-        lease = r.parse("LEASE_SECONDS", positive, "a number of seconds > 0") or 15.0
+        positive = _number(0, inclusive=False, high=HOUR)
+        lease = r.parse("LEASE_SECONDS", positive, "a number of seconds > 0 and <= 3600") or 15.0
         src("lease_seconds", "LEASE_SECONDS")
-        renew = r.parse("RENEW_SECONDS", positive, "a number of seconds > 0")
+        renew = r.parse("RENEW_SECONDS", positive, "a number of seconds > 0 and <= 3600")
         # The host gives a term up when its renewal is late by 0.8 x the lease; a renewal that
         # fails once must leave room for the next one before that, hence at most a third.
         if renew is not None and renew > lease / 3 * (1 + 1e-9):
@@ -343,10 +371,12 @@ class Settings:
             )
         renew = lease / 3 if renew is None else renew
         src("renew_seconds", "RENEW_SECONDS")
-        poll = r.parse("POLL_SECONDS", positive, "a number of seconds > 0") or 2.0
+        poll = r.parse("POLL_SECONDS", positive, "a number of seconds > 0 and <= 3600") or 2.0
         src("poll_seconds", "POLL_SECONDS")
         grace = r.parse(
-            "SHUTDOWN_GRACE_SECONDS", _number(0, inclusive=True), "a number of seconds >= 0"
+            "SHUTDOWN_GRACE_SECONDS",
+            _number(0, inclusive=True, high=HOUR),
+            "a number of seconds >= 0 and <= 3600",
         )
         src("shutdown_grace_seconds", "SHUTDOWN_GRACE_SECONDS")
         drain = r.parse(
@@ -649,20 +679,27 @@ def _effective_family(
 
     interval = r.parse(
         name("SCHEDULE_SECONDS"),
-        _number(0, inclusive=True),
-        "a number of seconds >= 0 (0 disables automatic admission)",
+        _schedule_seconds,
+        f"a number of seconds >= 0 (0 disables automatic admission) and <= "
+        f"{MAX_INTERVAL_SECONDS:.0f} (a year)",
     )
     enabled = r.parse(name("SCHEDULE_ENABLED"), _boolean, "true or false")
-    workers = r.parse(name("MAX_WORKERS"), _integer(1), "an integer >= 1")
+    workers = r.parse(
+        name("MAX_WORKERS"),
+        _integer(1, MAX_WORKERS_LIMIT),
+        f"an integer >= 1 and <= {MAX_WORKERS_LIMIT}",
+    )
     timeout = r.parse(
-        name("WORKER_TIMEOUT_SECONDS"), _number(0, inclusive=False), "a number of seconds > 0"
+        name("WORKER_TIMEOUT_SECONDS"),
+        _number(0, inclusive=False, high=MAX_TIMEOUT_SECONDS),
+        f"a number of seconds > 0 and <= {MAX_TIMEOUT_SECONDS:g} (7 days)",
     )
     cron = r.values[present["CRON"]] if "CRON" in present else None
     tz = r.values[present["TIMEZONE"]] if "TIMEZONE" in present else None
     if tz is not None and not _valid_timezone(tz):
         r.fail(name("TIMEZONE"), f"unknown IANA timezone {_show(tz)}; use e.g. 'Asia/Shanghai'")
-    if cron is not None and not croniter.is_valid(cron):
-        r.fail(name("CRON"), f"invalid cron expression {_show(cron)}; expected e.g. '0 2 * * *'")
+    if cron is not None and (problem := cron_problem(cron)) is not None:
+        r.fail(name("CRON"), problem)
 
     policy: Policy = fam.policy
     policy_src = ["decorator"]

@@ -33,6 +33,10 @@ Reconciler = Callable[["Connection", "Family", Any], Any]
 _NAME_RE = re.compile(r"^[a-z][a-z0-9]*(?:[-_][a-z0-9]+)*$")
 _PREFIX_RE = re.compile(r"^[A-Z][A-Z0-9_]*$")
 MAX_NAME_LENGTH = 64
+MAX_BINDING_LENGTH = 128
+#: Upper bounds that keep every number meaningful (and printable) rather than merely parseable.
+MAX_WORKERS_LIMIT = 1024
+MAX_TIMEOUT_SECONDS = 7 * 86400.0
 
 
 def default_prefix(name: str) -> str:
@@ -129,12 +133,24 @@ class Family:
 
 
 def _check_budget(name: str, max_workers: Any, timeout: Any) -> None:
-    if not isinstance(max_workers, int) or isinstance(max_workers, bool) or max_workers < 1:
+    if (
+        not isinstance(max_workers, int)
+        or isinstance(max_workers, bool)
+        or not 1 <= max_workers <= MAX_WORKERS_LIMIT
+    ):
         raise ConfigError(
-            f"family {name!r}: max_workers must be an integer >= 1, got {max_workers!r}"
+            f"family {name!r}: max_workers must be an integer >= 1 and <= {MAX_WORKERS_LIMIT}, "
+            f"got {max_workers!r:.40}"
         )
-    if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout > 0:
-        raise ConfigError(f"family {name!r}: timeout must be > 0 seconds, got {timeout!r}")
+    if (
+        not isinstance(timeout, int | float)
+        or isinstance(timeout, bool)
+        or not 0 < timeout <= MAX_TIMEOUT_SECONDS
+    ):
+        raise ConfigError(
+            f"family {name!r}: timeout must be > 0 seconds and <= {MAX_TIMEOUT_SECONDS:g} "
+            f"(7 days), got {timeout!r:.40}"
+        )
 
 
 def make_policy(
@@ -306,8 +322,17 @@ def family(
             f"(e.g. 'topic-memory'), at most {MAX_NAME_LENGTH} characters"
         )
     binding_name = name if binding is None else binding
-    if not isinstance(binding_name, str) or not binding_name or len(binding_name) > 128:
-        raise ConfigError(f"family {name!r}: binding must be a non-empty string (<= 128 chars)")
+    if (
+        not isinstance(binding_name, str)
+        or not _NAME_RE.match(binding_name)
+        or len(binding_name) > MAX_BINDING_LENGTH
+    ):
+        # As strict as family names: a binding is a database key and appears in logs and lease
+        # keys, where NUL, newlines or spaces would corrupt or forge lines.
+        raise ConfigError(
+            f"family {name!r}: binding {binding_name!r:.80} must be lowercase words joined by "
+            f"'-' or '_' (e.g. 'topic-memory'), at most {MAX_BINDING_LENGTH} characters"
+        )
     cfg_prefix = default_prefix(name) if prefix is None else prefix
     if not isinstance(cfg_prefix, str) or not _PREFIX_RE.match(cfg_prefix):
         raise ConfigError(

@@ -10,17 +10,18 @@ import hashlib
 from collections.abc import Iterable
 from datetime import UTC, datetime
 
-from sqlalchemy import DateTime, String
+from sqlalchemy import DateTime
 from sqlalchemy.dialects import mysql
 
 from apsup.context import ExecutionContext
 from apsup.errors import ApsupError
+from apsup.store.schema import Identifier
 
 #: Microsecond precision on MySQL/OceanBase, like ``apsup.store.schema.Timestamp``.
 Timestamp = DateTime().with_variant(mysql.DATETIME(fsp=6), "mysql")
 
 SCOPE_LENGTH = 255
-SCOPE = String(SCOPE_LENGTH)
+SCOPE = Identifier(SCOPE_LENGTH)  # byte-exact on MySQL too
 DIGEST_LENGTH = 64
 
 

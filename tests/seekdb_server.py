@@ -8,6 +8,8 @@ module is ``./run``; keep the two in step (DESIGN.md §7 lists the server's pitf
 - it listens on 0.0.0.0 whatever we ask, so tests only ever connect to 127.0.0.1, and root
   gets a random password as soon as the server accepts connections (it starts with none);
 - its time zone is fixed when the data folder is first created: always start from a fresh one.
+  It is left at seekdb's default (+08:00) on purpose, so the suite proves that apsup keeps
+  database time in UTC whatever the server's zone is.
 
 Usable as a module (``SeekdbServer``) or from the shell for manual debugging::
 
@@ -157,8 +159,6 @@ class SeekdbServer:
                     str(self.base_dir),
                     "--log-level",
                     "WARN",
-                    "--variable",
-                    "time_zone=+00:00",
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=console,

@@ -30,6 +30,7 @@ def broken(kind: str) -> Policy:
         return interval
     cron = Cron("0 2 * * *", "UTC")
     object.__setattr__(cron, "expr", "0 2 30 2 *")
+    object.__setattr__(cron, "_text", "0 2 30 2 *")  # the parsed form the maths reads
     return cron
 
 

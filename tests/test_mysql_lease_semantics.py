@@ -147,11 +147,14 @@ def test_same_holder_regaining_gets_a_new_generation(backend: SqlBackend) -> Non
     ]
 
 
+OTHER = "artifact:other-family"
+
+
 def test_invalidate_terms_kills_every_old_term(backend: SqlBackend) -> None:
     a = backend.claim_term(KEY, "holder-a", 60)
-    g = backend.claim_term("global", "holder-g", 60)
+    g = backend.claim_term(OTHER, "holder-g", 60)  # same mode: both may be live
     assert a is not None and g is not None
-    assert sorted(backend.invalidate_terms()) == sorted([KEY, "global"])
+    assert sorted(backend.invalidate_terms()) == sorted([KEY, OTHER])
     for term in (a, g):
         row = _row(backend, term.supervisor_key)
         assert row.holder_id == INVALIDATED
@@ -165,7 +168,7 @@ def test_invalidate_terms_kills_every_old_term(backend: SqlBackend) -> None:
     assert new == Term(KEY, "holder-a", a.generation + 2)
     assert _fenced_ok(backend, new)
     # Invalidating one key leaves the others alone.
-    g2 = backend.claim_term("global", "holder-g", 60)
+    g2 = backend.claim_term(OTHER, "holder-g", 60)
     assert g2 is not None
     assert backend.invalidate_terms([KEY]) == [KEY]
     assert _fenced_ok(backend, g2) and not _fenced_ok(backend, new)

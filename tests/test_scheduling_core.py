@@ -143,7 +143,12 @@ def test_dispatch_preferred_and_full_ready_queue_stops_discovery_and_checkpoint(
     assert s.next_wakeup(later) is None  # only an exit can make room
     s.on_worker_exit("a", "x", Outcome.SUCCESS, False, later)
     assert dispatch(s, later).scope_id == "y"
-    assert s.decide(later) == StartScan("a", later)
+    # Ready room again, but the only Worker is busy and z waits for it: still no check.
+    assert s.decide(later) is None and s.next_wakeup(later) is None
+    s.on_worker_exit("a", "y", Outcome.SUCCESS, False, later)
+    assert dispatch(s, later).scope_id == "z"
+    s.on_worker_exit("a", "z", Outcome.SUCCESS, False, later)
+    assert s.decide(later) == StartScan("a", later)  # the first free Worker starts it
 
 
 def test_one_step_in_flight_per_family_does_not_block_other_families() -> None:
@@ -334,9 +339,9 @@ def test_disabled_never_scans_but_ends_restored_scan_without_admitting() -> None
 
 
 def test_scan_pages_in_order_skips_busy_and_marked_rows_and_ends_when_exhausted() -> None:
-    s = make(spec(policy=Interval(60), max_workers=1, page_size=3))
+    s = make(spec(policy=Interval(60), max_workers=2, page_size=3))
     finish_request_pass(s, "a", rows("busy"))
-    dispatch(s)  # busy is running
+    dispatch(s)  # busy is running; the second Worker is free, so the check may start
     d = s.decide(T0)
     assert isinstance(d, StartScan)
     s.on_scan_started("a", 7, 9, T0)
@@ -347,6 +352,7 @@ def test_scan_pages_in_order_skips_busy_and_marked_rows_and_ends_when_exhausted(
     assert s.decide(T0) == Admit("a", "new", 7)  # busy and already-marked rows skipped
     s.on_admitted("a", "new", True)
     assert s.key_state("a", "new") is KeyState.READY
+    assert dispatch(s).scope_id == "new"
     assert s.decide(T0) == FetchScanPage("a", 7, 3, 9, 3)  # after the last row handled
     s.on_scan_page("a", 7, [ScanRow("old", 5, 0)], True)
     assert s.decide(T0) == Admit("a", "old", 7)
@@ -687,3 +693,22 @@ def test_scheduler_rejects_bad_specs() -> None:
         Scheduler([spec("a", max_workers=0)], rng=random.Random(0))
     assert spec("a", max_workers=6).queue_limit == 12
     assert spec("a", max_workers=1).queue_limit == 8
+
+
+# --- a due check waits for a free Worker (RFC §2/§4) ---------------------------------------------
+
+
+def test_a_due_scan_does_not_start_while_every_worker_is_busy() -> None:
+    s = make(spec("a", policy=Interval(1), max_workers=1))
+    finish_request_pass(s, "a", rows("busy"))
+    dispatch(s)  # 1 of 1 Workers busy from now on; the first check is due at once
+    for second in range(11):
+        now = T0 + timedelta(seconds=second)
+        assert s.decide(now) is None, f"a step was taken at +{second}s with every Worker busy"
+        # Nothing for time alone to do: sleeping until the Worker exits is not a busy loop.
+        assert s.next_wakeup(now) is None
+    assert s.snapshot()["a"].scan_generation == 0
+    later = T0 + timedelta(seconds=11)
+    s.on_worker_exit("a", "busy", Outcome.SUCCESS, False, later)
+    d = s.decide(later)  # the exit frees the Worker: the skipped check starts at once
+    assert isinstance(d, StartScan) and d.checkpoint == later

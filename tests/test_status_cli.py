@@ -116,13 +116,15 @@ def seed(backend: Any) -> dict[str, int]:
         gamma = scans.start_scan(conn, "gamma", GAMMA_CHECKPOINT)
         scans.end_scan(conn, "gamma", gamma.scan_generation)
         upper = intents.max_pending_sequence(conn, "alpha")
-    term = backend.claim_term("global", HOLDER, 60.0)
-    assert term is not None
+    # The dedicated term ends before the global one starts: two modes are never live together.
     released = backend.claim_term("artifact:beta", "b" * 32, 60.0)
     assert released is not None
     backend.release_term(released)
+    term = backend.claim_term("global", HOLDER, 60.0)
+    assert term is not None
     assert upper is not None
-    return {"global": term.generation, "artifact:beta": released.generation, "upper": upper}
+    beta = {r.supervisor_key: r.generation for r in backend.lease_rows()}["artifact:beta"]
+    return {"global": term.generation, "artifact:beta": beta, "upper": upper}
 
 
 # --- tests ---------------------------------------------------------------------------------------

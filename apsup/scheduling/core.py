@@ -44,7 +44,7 @@ from datetime import datetime, timedelta
 from typing import TypeVar
 
 from apsup.errors import ConfigError
-from apsup.policy import Disabled, Policy
+from apsup.policy import CLOCK_JUMP_TOLERANCE, Disabled, Policy
 from apsup.scheduling.backoff import Backoff
 from apsup.scheduling.decisions import (
     Admit,
@@ -166,6 +166,7 @@ class FamilySnapshot:
     last_error_stage: str | None
     errors: int
     max_consecutive_failures: int
+    clock_rewinds: int = 0  # checkpoints clamped because database time went back
 
 
 # --- internal state ------------------------------------------------------------------------------
@@ -207,6 +208,7 @@ class _Family:
         self.name = spec.name
         self.budget = spec.max_workers
         self.limit = spec.queue_limit
+        self.clock_rewinds = 0  # survives lease loss: it is a counter
         self.reset()
 
     def reset(self) -> None:
@@ -217,6 +219,7 @@ class _Family:
         self.running = 0
         self.waiting: list[tuple[datetime, int, str]] = []  # heap of (due, tiebreak, scope)
         self.checkpoint: datetime | None = None
+        self.rewound_from: datetime | None = None  # durable checkpoint a clamp still replaces
         self._due_for: datetime | None = None  # memo of next_due() for this checkpoint
         self._due: datetime | None = None
         self.scan_generation = 0
@@ -236,6 +239,12 @@ class _Family:
     def has_room(self) -> bool:
         return len(self.ready) < self.limit
 
+    def can_start_scan(self) -> bool:
+        """A due check starts only with a Worker free for it (RFC §2, §4): busy Workers skip the
+        check, so the checkpoint does not advance and no check is pretended; the Worker exit
+        that frees one is the event that starts the check, at once."""
+        return self.running + len(self.ready) < self.budget
+
     def next_due(self, now: datetime) -> datetime | None:
         """``policy.next_due(checkpoint, now)``, memoised per checkpoint.
 
@@ -249,18 +258,28 @@ class _Family:
         if self.policy_error is not None:
             return None
         try:
+            self.clamp_checkpoint(now)
             if self.checkpoint is None:
-                due = self.spec.policy.next_due(None, now)
-            elif self._due_for != self.checkpoint:
+                return self.spec.policy.next_due(None, now)
+            if self._due_for != self.checkpoint:
                 self._due = self.spec.policy.next_due(self.checkpoint, now)
                 self._due_for = self.checkpoint
-                due = self._due
-            else:
-                due = self._due
+            return self._due
         except Exception as exc:
             self.policy_error = type(exc).__name__
             return None
-        return due
+
+    def clamp_checkpoint(self, now: datetime) -> None:
+        """Database time went back: a checkpoint more than the tolerance ahead is clamped to now.
+
+        Otherwise the family would stall silently for the whole jump. The next StartScan carries
+        ``rewound_from`` so the store accepts the earlier checkpoint; the shell logs it.
+        """
+        if self.checkpoint is not None and self.checkpoint > now + CLOCK_JUMP_TOLERANCE:
+            if self.rewound_from is None:
+                self.rewound_from = self.checkpoint
+            self.checkpoint = now
+            self.clock_rewinds += 1
 
 
 # --- the scheduler -------------------------------------------------------------------------------
@@ -433,7 +452,12 @@ class Scheduler:
             requests = FetchRequests(
                 f.name, f.request_pass.after_sequence, min(f.spec.page_size, wanted)
             )
-        scan_due = scan is None and (due := f.next_due(now)) is not None and due <= now
+        scan_due = (
+            scan is None
+            and f.can_start_scan()
+            and (due := f.next_due(now)) is not None
+            and due <= now
+        )
         if requests is not None and (f.requests_turn or (scan is None and not scan_due)):
             return requests  # request discovery and the scan take turns
         if scan is not None:
@@ -447,7 +471,10 @@ class Scheduler:
             except Exception as exc:
                 f.policy_error = type(exc).__name__  # no automatic checks; requests still run
                 return requests
-            return StartScan(f.name, checkpoint)
+            if f.checkpoint is not None and checkpoint <= f.checkpoint:
+                assert due is not None
+                checkpoint = due  # strictly forward: the due fire is after the checkpoint
+            return StartScan(f.name, checkpoint, f.rewound_from)
         return requests
 
     def _next_admission(self, f: _Family, scan: _Scan) -> Admit | None:
@@ -492,7 +519,9 @@ class Scheduler:
         f = self._family(family)
         if self._settle(f, StartScan) is None:
             return
-        f.checkpoint = checkpoint
+        if f.checkpoint is None or checkpoint > f.checkpoint:
+            f.checkpoint = checkpoint  # never backwards (a clamp lowered it in memory first)
+        f.rewound_from = None
         f.scan_generation = scan_generation
         f.scan = _Scan(scan_generation, upper_sequence, ending=upper_sequence is None)
 
@@ -714,7 +743,7 @@ class Scheduler:
                 continue  # time cannot create ready room; an exit or dispatch will
             if f.waiting:
                 consider(max(f.waiting[0][0], now))
-            if f.scan is None:
+            if f.scan is None and f.can_start_scan():  # else a Worker exit wakes us
                 due = f.next_due(now)
                 if due is not None:
                     consider(max(due, now))
@@ -781,6 +810,7 @@ class Scheduler:
                 ),
                 errors=f.errors,
                 max_consecutive_failures=max((k.failures for k in f.keys.values()), default=0),
+                clock_rewinds=f.clock_rewinds,
             )
         return result
 

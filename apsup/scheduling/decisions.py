@@ -19,10 +19,15 @@ DispatchReason = Literal["request", "scan", "retry", "successor", "conflict"]
 @dataclass(frozen=True)
 class StartScan:
     """Commit start_scan (fenced): bump scan_generation, record ``checkpoint``, set in-progress and
-    the upper pending_sequence, then call ``on_scan_started``."""
+    the upper pending_sequence, then call ``on_scan_started``.
+
+    The store never moves the checkpoint backwards, except over ``rewound_from``: the future
+    checkpoint the core clamped after database time went back (docs/scheduling-time.md).
+    """
 
     family: str
     checkpoint: datetime
+    rewound_from: datetime | None = None
 
 
 @dataclass(frozen=True)

@@ -41,13 +41,15 @@ def backend_kind(url: str) -> str:
     raise ConfigError(f"unsupported database backend {name!r}: use sqlite or mysql (OceanBase)")
 
 
-def open_backend(url: str) -> SqlBackend:
-    """The backend for ``url`` (schema must exist: see ``migrate``)."""
+def open_backend(url: str, *, create: bool = False) -> SqlBackend:
+    """The backend for ``url`` (schema must exist: see ``migrate``). A SQLite file (and its
+    directory) is created only with ``create=True``, which ``migrate`` passes: a mistyped path
+    given to ``run`` or ``trigger`` is refused instead of becoming a new empty database."""
     kind = backend_kind(url)
     if kind == "sqlite":
         from apsup.store.sqlite import SqliteBackend
 
-        return SqliteBackend(url)
+        return SqliteBackend(url, create=create)
     try:
         make_url(url).get_dialect().import_dbapi()
     except ImportError:

@@ -76,6 +76,10 @@ def check_scope_id(scope_id: object) -> str:
         )
     if any(ord(ch) < 32 for ch in scope_id):
         raise IntentError("scope_id must not contain control characters")
+    try:
+        scope_id.encode("utf-8")  # identifiers are stored as UTF-8 bytes
+    except UnicodeEncodeError:
+        raise IntentError(f"scope_id must be valid Unicode text, got {scope_id!r:.80}") from None
     return scope_id
 
 

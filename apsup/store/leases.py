@@ -17,7 +17,7 @@ from typing import Protocol, TypeVar
 
 from sqlalchemy import Connection, Engine, bindparam, insert, select, update
 
-from apsup.errors import StaleTermError
+from apsup.errors import ConfigError, StaleTermError
 from apsup.store.schema import leases
 
 T = TypeVar("T")
@@ -33,6 +33,15 @@ def new_holder_id() -> str:
 
 def dedicated_key(family_name: str) -> str:
     return f"artifact:{family_name}"
+
+
+def key_mode(key: str) -> str:
+    """``global`` for the global key, ``dedicated`` for ``artifact:<family>`` keys."""
+    return "global" if key == GLOBAL_KEY else "dedicated"
+
+
+class ModeConflictError(ConfigError):
+    """A term of the other mode is still live: claiming would let two terms commit at once."""
 
 
 @dataclass(frozen=True)
@@ -136,6 +145,51 @@ def validate(row: LeaseRow | None, term: Term, now: datetime | None) -> None:
         )
     if row.expires_at is not None and now is not None and row.expires_at <= now:
         raise StaleTermError(f"term {term.supervisor_key}#{term.generation} lease expired")
+
+
+def is_live(row: LeaseRow, now: datetime | None) -> bool:
+    """Held and (where leases expire) unexpired at ``now``."""
+    if row.holder_id == INVALIDATED:
+        return False
+    return row.expires_at is None or now is None or row.expires_at > now
+
+
+def other_mode_keys(conn: Connection, key: str, *, for_update: bool = False) -> list[LeaseRow]:
+    """Lease rows of the mode ``key`` does not belong to (the global key vs every dedicated key).
+
+    Both modes' claims lock the global row first (a dedicated claim takes it before its own),
+    so two claims of different modes serialise on it instead of deadlocking.
+    """
+    stmt = select(
+        leases.c.supervisor_key,
+        leases.c.holder_id,
+        leases.c.supervisor_generation,
+        leases.c.expires_at,
+    )
+    if key == GLOBAL_KEY:
+        stmt = stmt.where(leases.c.supervisor_key != GLOBAL_KEY).order_by(leases.c.supervisor_key)
+    else:
+        stmt = stmt.where(leases.c.supervisor_key == GLOBAL_KEY)
+    if for_update:
+        stmt = stmt.with_for_update()
+    return [LeaseRow(r[0], r[1], int(r[2]), r[3]) for r in conn.execute(stmt)]
+
+
+def refuse_mode_conflict(key: str, live: list[LeaseRow]) -> None:
+    """Raise ModeConflictError naming the live term(s) of the other mode and the procedure."""
+    if not live:
+        return
+    mode = key_mode(key)
+    held = ", ".join(
+        f"{r.supervisor_key}#{r.generation}"
+        + ("" if r.expires_at is None else f" until {r.expires_at:%Y-%m-%d %H:%M:%S} UTC")
+        for r in live[:5]
+    )
+    raise ModeConflictError(
+        f"supervisor key {key!r} (mode {mode!r}) not claimed: a term of the other mode is live "
+        f"({held}). Stop every replica of the old mode, then run `apsup maintenance "
+        f"switch-mode --to {mode}`; or configure this replica with the mode the others run"
+    )
 
 
 def all_leases(conn: Connection) -> Iterator[LeaseRow]:

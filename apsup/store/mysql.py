@@ -6,6 +6,9 @@ Dialect facts this module is built on (DESIGN §6, §7):
   row changed after the snapshot fails with 6235).
 - ``NOW(6)`` is fixed at statement start, lock wait included, so expiry is read in a separate
   statement *after* the Lease row lock is held.
+- ``NOW(6)`` is also in the session time zone, and seekdb's default is +08:00: database time is
+  read as ``UTC_TIMESTAMP(6)``, and every session is set to ``+00:00`` on connect so that any
+  other time function or DATETIME conversion on apsup's connections is UTC as well.
 - 1205 (lock wait timeout) rolls back only the statement and 1213 (deadlock) the transaction:
   both are retried as a whole transaction, a bounded number of times. 2013 during COMMIT has an
   unknown outcome and is never blindly retried.
@@ -29,7 +32,17 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 
 from apsup.errors import ConfigError
 from apsup.store.base import SqlBackend
-from apsup.store.leases import INVALIDATED, Term, read_lease, take_lease, validate
+from apsup.store.leases import (
+    GLOBAL_KEY,
+    INVALIDATED,
+    Term,
+    is_live,
+    other_mode_keys,
+    read_lease,
+    refuse_mode_conflict,
+    take_lease,
+    validate,
+)
 from apsup.store.schema import leases
 
 #: Errors after which the server has rolled back the whole transaction (not just a statement).
@@ -37,6 +50,8 @@ TRANSACTION_ABORT_CODES = frozenset({1213, 4012, 6002})
 TRANSIENT_CODES = frozenset({1205, 1213, 4012, 6002, 6005, 6213, 6235})
 FENCE_TIMEOUT_SECONDS = 30.0
 FENCE_TIMEOUT_PARAM = "apsup_fence_timeout"
+#: Database time in UTC whatever the server's or the session's time zone (naive, microseconds).
+_UTC_NOW = text("SELECT UTC_TIMESTAMP(6)")
 
 
 def _error_code(exc: DBAPIError) -> int | None:
@@ -74,6 +89,7 @@ class MysqlBackend(SqlBackend):
             # PyMySQL reports "5.7.25" as the server version; VERSION() names OceanBase.
             cur = dbapi_conn.cursor()
             try:
+                cur.execute("SET time_zone = '+00:00'")  # database time is naive UTC
                 cur.execute("SELECT VERSION()")
                 row = cur.fetchone()
                 rec.info["apsup_oceanbase"] = bool(row) and "oceanbase" in str(row[0]).lower()
@@ -106,7 +122,7 @@ class MysqlBackend(SqlBackend):
         return _error_code(exc) in TRANSIENT_CODES
 
     def _db_now(self, conn: Connection) -> datetime:
-        value = conn.execute(text("SELECT NOW(6)")).scalar_one()
+        value = conn.execute(_UTC_NOW).scalar_one()
         assert isinstance(value, datetime)
         return value.replace(tzinfo=None)
 
@@ -124,10 +140,18 @@ class MysqlBackend(SqlBackend):
         validate(row, term, self._db_now(conn))
 
     def claim_term(self, key: str, holder_id: str, lease_seconds: float) -> Term | None:
-        """Take the Lease if it is free or expired; takeover always increments generation."""
+        """Take the Lease if it is free or expired; takeover always increments generation.
+
+        Refused (``ModeConflictError``) while a term of the other mode is live: a replica started
+        in ``global`` beside running ``dedicated`` ones (or the reverse) would otherwise hold a
+        second valid term over the same Scopes. An expired term of the other mode is no obstacle:
+        its Workers fail their fenced check by expiry.
+        """
 
         def body(conn: Connection) -> Term | None:
             self._bound(conn)
+            if key != GLOBAL_KEY:
+                read_lease(conn, GLOBAL_KEY, for_update=True)  # lock order: global row first
             row = read_lease(conn, key, for_update=True)
             now = self._db_now(conn)
             expires = now + timedelta(seconds=lease_seconds)
@@ -136,6 +160,8 @@ class MysqlBackend(SqlBackend):
             )
             if not free:
                 return None
+            others = other_mode_keys(conn, key, for_update=True)
+            refuse_mode_conflict(key, [r for r in others if is_live(r, now)])
             return take_lease(conn, key, holder_id, row, expires)
 
         try:

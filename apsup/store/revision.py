@@ -265,7 +265,7 @@ def migrate(
 
     from apsup.store import open_backend
 
-    backend = open_backend(url)
+    backend = open_backend(url, create=True)
     try:
         with backend.engine.begin() as conn, _revision_errors():
             cfg.attributes["connection"] = conn

@@ -9,9 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import Connection, insert, select, update
+from sqlalchemy import Connection, bindparam, insert, select, update
 
-from apsup.store.intents import max_pending_sequence
 from apsup.store.schema import binding_states, intents
 
 b = binding_states.c
@@ -52,10 +51,45 @@ def ensure_state(conn: Connection, binding: str) -> ScanState:
     return state
 
 
-def start_scan(conn: Connection, binding: str, checkpoint: datetime) -> ScanState:
-    """One transaction: scan_generation + 1, checkpoint, in-progress, upper pending_sequence."""
-    ensure_state(conn, binding)
-    upper = max_pending_sequence(conn, binding)
+# The highest pending_sequence of a binding with a given dirty flag: the last entry of one range
+# of ix_intents_dirty (binding_name, dirty_pending, pending_sequence), read backwards, one row.
+_LAST_SEQUENCE = (
+    select(i.pending_sequence)
+    .where(i.binding_name == bindparam("p_binding"), i.dirty_pending == bindparam("p_flag"))
+    .order_by(i.pending_sequence.desc())
+    .limit(1)
+)
+
+
+def scan_upper_bound(conn: Connection, binding: str) -> int | None:
+    """The binding's highest pending_sequence, in O(log n) whatever the binding's size.
+
+    It is read while the write lock (SQLite) or the Lease row lock (MySQL) is held, so it must
+    not range-scan the binding (118-203 ms at 10^6 rows did). ``dirty_pending`` is 0 or 1, so the
+    maximum is the larger of two index probes, one per flag value.
+    """
+    found = [
+        conn.execute(_LAST_SEQUENCE, {"p_binding": binding, "p_flag": flag}).scalar()
+        for flag in (0, 1)
+    ]
+    values = [int(v) for v in found if v is not None]
+    return max(values) if values else None
+
+
+def start_scan(
+    conn: Connection, binding: str, checkpoint: datetime, rewound_from: datetime | None = None
+) -> ScanState:
+    """One transaction: scan_generation + 1, checkpoint, in-progress, upper pending_sequence.
+
+    The checkpoint never moves backwards: an earlier one keeps the stored value (the returned
+    state says which). The one exception is ``rewound_from``: a stored checkpoint at or before it
+    was clamped by the scheduler after database time went back, and is replaced.
+    """
+    stored = ensure_state(conn, binding).checkpoint
+    rewinding = rewound_from is not None and stored is not None and stored <= rewound_from
+    if stored is not None and checkpoint <= stored and not rewinding:
+        checkpoint = stored
+    upper = scan_upper_bound(conn, binding)
     conn.execute(
         update(binding_states)
         .where(b.binding_name == binding)

@@ -7,6 +7,8 @@ index-backed through two stored generated flag columns, so a page query never sc
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import (
     BigInteger,
     Boolean,
@@ -19,9 +21,12 @@ from sqlalchemy import (
     MetaData,
     String,
     Table,
+    TypeDecorator,
     text,
 )
 from sqlalchemy.dialects import mysql
+from sqlalchemy.engine import Dialect
+from sqlalchemy.types import TypeEngine
 
 metadata = MetaData()
 
@@ -30,12 +35,47 @@ Timestamp = DateTime().with_variant(mysql.DATETIME(fsp=6), "mysql")
 
 BINDING_LENGTH = 128
 SCOPE_LENGTH = 255
+LEASE_KEY_LENGTH = 160
+
+
+class Identifier(TypeDecorator[str]):
+    """Text that compares byte for byte on every backend (Scope ids, binding names, lease keys).
+
+    MySQL/OceanBase text collations are either case-insensitive (the ``utf8mb4_general_ci``
+    default, under which ``CaseX`` and ``casex`` are one primary key) or pad trailing spaces
+    (``utf8mb4_bin``: ``'a'`` and ``'a '`` are one key on seekdb). Only ``VARBINARY`` compares
+    exact bytes there, so identifiers are stored as UTF-8 in ``VARBINARY(4 * length)`` and
+    decoded on read; SQLite's default ``BINARY`` collation is byte-exact already.
+    """
+
+    impl = String
+    cache_ok = True
+
+    def __init__(self, length: int) -> None:
+        super().__init__(length)
+        self.max_chars = length
+
+    def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
+        if dialect.name == "mysql":
+            return dialect.type_descriptor(mysql.VARBINARY(4 * self.max_chars))
+        return dialect.type_descriptor(String(self.max_chars))
+
+    def process_bind_param(self, value: object, dialect: Dialect) -> object:
+        if dialect.name == "mysql" and isinstance(value, str):
+            return value.encode("utf-8")
+        return value
+
+    def process_result_value(self, value: object, dialect: Dialect) -> str | None:
+        if isinstance(value, bytes | bytearray | memoryview):
+            return bytes(value).decode("utf-8")
+        return value  # type: ignore[return-value]
+
 
 intents = Table(
     "pc_artifact_processing_intents",
     metadata,
-    Column("binding_name", String(BINDING_LENGTH), primary_key=True),
-    Column("scope_id", String(SCOPE_LENGTH), primary_key=True),
+    Column("binding_name", Identifier(BINDING_LENGTH), primary_key=True),
+    Column("scope_id", Identifier(SCOPE_LENGTH), primary_key=True),
     Column("pending_sequence", BigInteger, nullable=False, unique=True),
     Column("dirty_generation", BigInteger, nullable=False, server_default=text("0")),
     Column("clean_generation", BigInteger, nullable=False, server_default=text("0")),
@@ -78,7 +118,7 @@ counters = Table(
 binding_states = Table(
     "pc_artifact_processing_binding_states",
     metadata,
-    Column("binding_name", String(BINDING_LENGTH), primary_key=True),
+    Column("binding_name", Identifier(BINDING_LENGTH), primary_key=True),
     Column("last_schedule_checkpoint_at", Timestamp, nullable=True),
     Column("scan_generation", BigInteger, nullable=False, server_default=text("0")),
     Column("scan_in_progress", Boolean, nullable=False, server_default=text("0")),
@@ -88,7 +128,7 @@ binding_states = Table(
 leases = Table(
     "pc_artifact_processing_leases",
     metadata,
-    Column("supervisor_key", String(160), primary_key=True),
+    Column("supervisor_key", Identifier(LEASE_KEY_LENGTH), primary_key=True),
     Column("holder_id", String(64), nullable=False),
     Column("supervisor_generation", BigInteger, nullable=False, server_default=text("0")),
     Column("expires_at", Timestamp, nullable=True),

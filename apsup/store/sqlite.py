@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import random
 import sqlite3
+import stat
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -22,7 +23,15 @@ from sqlalchemy.exc import DBAPIError
 
 from apsup.errors import ConfigError
 from apsup.store.base import SqlBackend
-from apsup.store.leases import INVALIDATED, Term, read_lease, take_lease, validate
+from apsup.store.leases import (
+    INVALIDATED,
+    Term,
+    invalidate,
+    other_mode_keys,
+    read_lease,
+    take_lease,
+    validate,
+)
 from apsup.store.schema import leases
 
 BUSY_TIMEOUT_SECONDS = 30.0
@@ -43,12 +52,57 @@ def database_path(url: str) -> Path | None:
 
 def _create_private(path: Path) -> None:
     """Create the database file 0600 so -wal/-shm (which copy its mode) are private too."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     except FileExistsError:
         return
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot create the SQLite database {path}: {exc.strerror}; point the database "
+            "URL (--db or DATABASE_URL) at a writable directory"
+        ) from None
     os.close(fd)
+
+
+#: Pseudo file systems whose entries look like empty regular files but are never databases.
+_PSEUDO_ROOTS = (Path("/proc"), Path("/sys"), Path("/dev"))
+
+
+def _check_existing(path: Path, *, allow_empty: bool) -> None:
+    """Refuse, before anything is created or opened, a path that is no usable database file:
+    a missing one (``apsup migrate`` creates it), a directory, a /proc entry, or an empty file.
+
+    Only ``stat``: opening and closing the file here would drop every POSIX lock that SQLite
+    connections of this same process hold on it (closing any descriptor of a file releases
+    them all), which breaks SQLite's locking for the other connections. A non-empty file that
+    is not a database is refused on first connect instead (``_on_first_connect``).
+    """
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        if not path.parent.is_dir():
+            raise ConfigError(
+                f"the SQLite database {path} does not exist, nor does its directory: fix the "
+                "database URL (--db or DATABASE_URL)"
+            ) from None
+        raise ConfigError(
+            f"the SQLite database {path} does not exist: run `apsup migrate` to create it, or "
+            "fix the database URL (--db or DATABASE_URL)"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"the SQLite database {path} is not accessible: {exc.strerror}") from None
+    pseudo = any(path.is_relative_to(root) for root in _PSEUDO_ROOTS)
+    if not stat.S_ISREG(st.st_mode) or pseudo:
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular database file"
+        raise ConfigError(
+            f"the SQLite database path {path} is {kind}: point the database URL (--db or "
+            "DATABASE_URL) at a database file, e.g. sqlite:////var/lib/apsup/apsup.db"
+        )
+    if st.st_size == 0 and not allow_empty:
+        raise ConfigError(
+            f"the SQLite database {path} is empty (no apsup schema): run `apsup migrate` first"
+        )
 
 
 def shared_mode(path: Path) -> int | None:
@@ -109,6 +163,7 @@ class SqliteBackend(SqlBackend):
         *,
         synchronous: str = "FULL",
         busy_timeout: float = BUSY_TIMEOUT_SECONDS,
+        create: bool = False,
     ) -> None:
         super().__init__(url)
         self.path = database_path(url)
@@ -117,7 +172,9 @@ class SqliteBackend(SqlBackend):
                 "apsup needs a SQLite database file shared with Worker processes; "
                 "use sqlite:////absolute/path/apsup.db, not an in-memory database"
             )
-        _create_private(self.path)
+        if create:  # ``apsup migrate`` only: everything else needs an existing database
+            _create_private(self.path)
+        _check_existing(self.path, allow_empty=create)
         self.busy_timeout = busy_timeout
         self.engine = create_engine(url, connect_args={"timeout": busy_timeout})
         self.read_engine = self.engine.execution_options(**{_READONLY: True})
@@ -126,7 +183,15 @@ class SqliteBackend(SqlBackend):
         def _on_first_connect(dbapi_conn: Any, _rec: Any) -> None:
             # WAL is a property of the file, kept across connections and restarts: once per
             # engine is enough, and a Worker inherits an engine that has already done it.
-            dbapi_conn.execute("PRAGMA journal_mode=WAL").fetchall()
+            try:
+                dbapi_conn.execute("PRAGMA journal_mode=WAL").fetchall()
+            except sqlite3.DatabaseError as exc:
+                if "not a database" not in str(exc):
+                    raise
+                raise ConfigError(
+                    f"{self.path} is not a SQLite database: point the database URL (--db or "
+                    "DATABASE_URL) at the apsup database file"
+                ) from None
 
         @event.listens_for(self.engine, "connect")
         def _on_connect(dbapi_conn: Any, _rec: Any) -> None:
@@ -175,10 +240,18 @@ class SqliteBackend(SqlBackend):
         validate(read_lease(conn, term.supervisor_key, for_update=False), term, None)
 
     def claim_term(self, key: str, holder_id: str, lease_seconds: float = 0) -> Term:
-        """Legitimate startup: new holder, generation + 1, expires_at NULL."""
+        """Legitimate startup: new holder, generation + 1, expires_at NULL.
+
+        SQLite terms never expire, so the other mode's terms are invalidated in the same
+        transaction: one host (the host lock proves it) restarted in another mode without
+        ``switch-mode`` would otherwise leave the old mode's surviving Workers able to commit.
+        """
 
         def body(conn: Connection) -> Term:
             row = read_lease(conn, key, for_update=False)
+            others = [r.supervisor_key for r in other_mode_keys(conn, key)]
+            if others:
+                invalidate(conn, others, None)
             return take_lease(conn, key, holder_id, row, None)
 
         return self.run(body)

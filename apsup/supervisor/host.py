@@ -22,7 +22,7 @@ from types import FrameType
 from multiprocess.connection import wait
 
 from apsup.store import SqlBackend
-from apsup.store.leases import new_holder_id
+from apsup.store.leases import ModeConflictError, new_holder_id
 from apsup.supervisor.control import ALL, ControlChannel
 from apsup.supervisor.drain import drain
 from apsup.supervisor.supervisor import Supervisor
@@ -103,7 +103,11 @@ class Host:
     def _claim(self, sup: Supervisor) -> None:
         if self._stopping_workers(sup):
             return  # Workers of its previous term are still being stopped: no second Worker
-        term = self.backend.claim_term(sup.key, self.holder_id, self.lease.lease_seconds)
+        try:
+            term = self.backend.claim_term(sup.key, self.holder_id, self.lease.lease_seconds)
+        except ModeConflictError as exc:  # stay a candidate; the message says what to do
+            log.warning("lease not claimed: %s", exc, extra={"supervisor_key": sup.key})
+            return
         if term is not None:
             self._last_renewed[sup.key] = time.monotonic()
             sup.become_leader(term)  # never raises: a failed establishment is retried

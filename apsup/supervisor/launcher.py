@@ -121,6 +121,9 @@ def build_host(
         if backend.name == "sqlite":
             lock = HostLock(database_url)
             lock.acquire()
+            # The lock proves this is the only host: every earlier term, of either mode and of
+            # families no longer configured, is invalidated before this host claims its own.
+            backend.invalidate_terms(None)
             control = ControlChannel(database_url)
             _warn_if_shared(database_url)
         # Everything a Worker imports is preloaded by the forkserver once: the families, the

@@ -392,14 +392,29 @@ class Supervisor:
         assert core is not None and term is not None
         if isinstance(d, StartScan):
             fam = self.families[d.family]
+            if d.rewound_from is not None:
+                log.warning(
+                    "schedule checkpoint ahead of database time: clamped (clock went back)",
+                    extra={
+                        "family": d.family,
+                        "binding": fam.binding_name,
+                        "stage": "schedule",
+                        "checkpoint": d.checkpoint.isoformat(),
+                        "rewound_from": d.rewound_from.isoformat(),
+                    },
+                )
             st = self.backend.run_fenced(
-                term, lambda c: scans.start_scan(c, fam.binding_name, d.checkpoint)
+                term,
+                lambda c: scans.start_scan(c, fam.binding_name, d.checkpoint, d.rewound_from),
             )
             self.hooks.on_scan_started(d.family)
             if d.family in self.unreconciled and d.family not in self.reconciling:
                 self.reconciling[d.family] = _Reconciliation(None)  # retried beside dispatch
             core.on_scan_started(
-                d.family, st.scan_generation, st.scan_upper_pending_sequence, d.checkpoint
+                d.family,
+                st.scan_generation,
+                st.scan_upper_pending_sequence,
+                st.checkpoint or d.checkpoint,
             )
             # A check also looks for requests whose notification was lost.
             core.on_notify(d.family)

@@ -31,7 +31,9 @@ ZERO = sa.text("0")
 
 
 def _scope(name: str = "scope_id", *, primary_key: bool = True) -> sa.Column:
-    return sa.Column(name, sa.String(SCOPE), primary_key=primary_key, nullable=False)
+    # Byte-exact on MySQL (VARBINARY): its text collations fold case or pad trailing spaces.
+    kind = sa.String(SCOPE).with_variant(mysql.VARBINARY(4 * SCOPE), "mysql")
+    return sa.Column(name, kind, primary_key=primary_key, nullable=False)
 
 
 def _big(name: str, *, primary_key: bool = False, default: bool = False) -> sa.Column:

@@ -19,11 +19,17 @@ depends_on = None
 Timestamp = sa.DateTime().with_variant(mysql.DATETIME(fsp=6), "mysql")
 
 
+def _identifier(length: int) -> sa.types.TypeEngine[str]:
+    """Byte-exact identifier text: VARBINARY on MySQL, whose text collations fold case or pad
+    trailing spaces (``apsup.store.schema.Identifier``; frozen here, not imported)."""
+    return sa.String(length).with_variant(mysql.VARBINARY(4 * length), "mysql")
+
+
 def upgrade() -> None:
     op.create_table(
         "pc_artifact_processing_intents",
-        sa.Column("binding_name", sa.String(128), primary_key=True),
-        sa.Column("scope_id", sa.String(255), primary_key=True),
+        sa.Column("binding_name", _identifier(128), primary_key=True),
+        sa.Column("scope_id", _identifier(255), primary_key=True),
         sa.Column("pending_sequence", sa.BigInteger, nullable=False),
         sa.Column("dirty_generation", sa.BigInteger, nullable=False, server_default=sa.text("0")),
         sa.Column("clean_generation", sa.BigInteger, nullable=False, server_default=sa.text("0")),
@@ -83,7 +89,7 @@ def upgrade() -> None:
         return
     op.create_table(
         "pc_artifact_processing_binding_states",
-        sa.Column("binding_name", sa.String(128), primary_key=True),
+        sa.Column("binding_name", _identifier(128), primary_key=True),
         sa.Column("last_schedule_checkpoint_at", Timestamp, nullable=True),
         sa.Column("scan_generation", sa.BigInteger, nullable=False, server_default=sa.text("0")),
         sa.Column("scan_in_progress", sa.Boolean, nullable=False, server_default=sa.text("0")),
@@ -95,7 +101,7 @@ def upgrade() -> None:
 def _create_leases() -> None:
     op.create_table(
         "pc_artifact_processing_leases",
-        sa.Column("supervisor_key", sa.String(160), primary_key=True),
+        sa.Column("supervisor_key", _identifier(160), primary_key=True),
         sa.Column("holder_id", sa.String(64), nullable=False),
         sa.Column(
             "supervisor_generation", sa.BigInteger, nullable=False, server_default=sa.text("0")

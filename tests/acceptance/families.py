@@ -67,7 +67,7 @@ from sqlalchemy import (
 )
 
 from apsup.context import ExecutionContext
-from apsup.policy import Disabled, Interval
+from apsup.policy import Cron, Disabled, Interval
 from apsup.registry import Family, Registry, family
 from apsup.store import intents as store_intents
 
@@ -157,6 +157,8 @@ def configure(
     fam: Family | str,
     *,
     interval: float | None = None,
+    cron: str | None = None,
+    timezone: str | None = None,
     disabled: bool = False,
     max_workers: int | None = None,
     timeout: float | None = None,
@@ -168,6 +170,8 @@ def configure(
         changes["policy"] = Disabled()
     elif interval is not None:
         changes["policy"] = Interval(float(interval))
+    elif cron is not None:
+        changes["policy"] = Cron(cron, timezone or "UTC")
     if max_workers is not None:
         changes["max_workers"] = max_workers
     if timeout is not None:

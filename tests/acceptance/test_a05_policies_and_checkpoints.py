@@ -45,9 +45,10 @@ def test_policies_are_independent_per_type(hosts, store):
     hold = scope_events(store, busy, "hold.1")
     assert len(hold) == 1 and hold[0]["ended_us"] is None, "acc-a stayed busy throughout"
 
-    # The busy type kept checking on its own interval; the other type on its own.
-    assert len(seen[busy.name]) >= 4
-    assert len(seen[busy.name]) > len(seen[slow.name])
+    # The other type kept checking on its own interval although acc-a was busy; acc-a, whose only
+    # Worker is held, skipped every check after the one that admitted hold.1 (no Worker
+    # capacity: no scan, no checkpoint advance).
+    assert len(seen[busy.name]) == 1, seen[busy.name]
     for fam, seconds in ((busy, 0.5), (slow, 1.5)):
         gens = sorted(seen[fam.name])
         for g1, g2 in itertools.pairwise(gens):
