@@ -91,6 +91,7 @@ GLOBAL_KEYS = (
     "RENEW_SECONDS",
     "POLL_SECONDS",
     "SHUTDOWN_GRACE_SECONDS",
+    "SHUTDOWN_DRAIN_SECONDS",
     "LOG_FORMAT",
     "LOG_LEVEL",
     "IGNORE_KEYS",
@@ -304,6 +305,8 @@ class Settings:
     sources: dict[str, str]
     family_settings: dict[str, dict[str, str]] = field(default_factory=dict, repr=False)
     ignored: list[str] = field(default_factory=list)
+    #: After SIGTERM, running Workers may finish for this long before they are stopped.
+    shutdown_drain_seconds: float = 30.0
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -378,6 +381,10 @@ class Settings:
             "a number of seconds >= 0 and <= 3600",
         )
         src("shutdown_grace_seconds", "SHUTDOWN_GRACE_SECONDS")
+        drain = r.parse(
+            "SHUTDOWN_DRAIN_SECONDS", _number(0, inclusive=True), "a number of seconds >= 0"
+        )
+        src("shutdown_drain_seconds", "SHUTDOWN_DRAIN_SECONDS")
         log_format = r.choice("LOG_FORMAT", LOG_FORMATS) or "auto"
         src("log_format", "LOG_FORMAT")
         log_level = r.choice("LOG_LEVEL", LOG_LEVELS) or "INFO"
@@ -404,6 +411,7 @@ class Settings:
             renew_seconds=renew,
             poll_seconds=poll,
             shutdown_grace_seconds=10.0 if grace is None else grace,
+            shutdown_drain_seconds=30.0 if drain is None else drain,
             log_format=log_format,
             log_level=log_level,
             families=families,
@@ -451,6 +459,7 @@ class Settings:
             "renew_seconds": self.renew_seconds,
             "poll_seconds": self.poll_seconds,
             "shutdown_grace_seconds": self.shutdown_grace_seconds,
+            "shutdown_drain_seconds": self.shutdown_drain_seconds,
             "log_format": self.log_format,
             "log_level": self.log_level,
             "families": {

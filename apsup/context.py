@@ -114,6 +114,9 @@ class ExecutionContext:
     entry_point: str
     database_url: str = field(repr=False)
     settings: dict[str, str] = field(default_factory=dict, repr=False)
+    #: W3C trace context of the host's invocation span (``traceparent``...), only with tracing
+    #: (``apsup[otel]``); a processor's own spans nest under it.
+    trace_context: dict[str, str] = field(default_factory=dict, repr=False)
     _ack_pending: Connection | AsyncConnection | None = field(default=None, repr=False, init=False)
     _fenced_conn: Connection | None = field(default=None, repr=False, init=False)
     _fenced_aconn: AsyncConnection | None = field(default=None, repr=False, init=False)
@@ -124,6 +127,8 @@ class ExecutionContext:
         data: dict[str, Any] = {"v": CONTEXT_VERSION}
         for name in _TYPES:
             data[name] = getattr(self, name)
+        if self.trace_context:  # optional: absent without tracing
+            data["trace_context"] = self.trace_context
         return orjson.dumps(data)
 
     @classmethod
@@ -140,6 +145,11 @@ class ExecutionContext:
                 f"execution context version {version!r} is not supported (expected "
                 f"{CONTEXT_VERSION}); restart Workers and Supervisor from the same release"
             )
+        trace_context = data.pop("trace_context", {})
+        if not isinstance(trace_context, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in trace_context.items()
+        ):
+            raise ContextError("execution context trace_context must map strings to strings")
         missing = sorted(set(_TYPES) - set(data))
         unknown = sorted(set(data) - set(_TYPES))
         if missing or unknown:
@@ -156,7 +166,7 @@ class ExecutionContext:
         for name in ("binding_name", "artifact_family", "scope_id", "supervisor_key", "worker_id"):
             if not data[name]:
                 raise ContextError(f"execution context field {name!r} must not be empty")
-        return cls(**data)
+        return cls(**data, trace_context=trace_context)
 
     def __repr__(self) -> str:
         shown = ", ".join(

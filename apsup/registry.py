@@ -60,6 +60,9 @@ class Family:
     entry_point: str
     processor: Processor = field(repr=False)
     _hooks: dict[str, Any] = field(default_factory=dict, repr=False)
+    #: Failure records carry the (redacted, truncated) exception message; off by default
+    #: because a message may quote Source text.
+    log_exception_messages: bool = False
 
     # -- worker-facing ---------------------------------------------------------------------
     def __call__(self, scope_id: str, ctx: ExecutionContext) -> Any:
@@ -306,6 +309,7 @@ def family(
     max_workers: int = 4,
     timeout: float = 600,
     registry: Registry | None = None,
+    log_exception_messages: bool = False,
 ) -> Callable[[Processor], Family]:
     """Register a Scope processor ``fn(scope_id, ctx)`` as an artifact family.
 
@@ -349,6 +353,7 @@ def family(
             timeout=float(timeout),
             entry_point=f"{fn.__module__}:{fn.__qualname__}",
             processor=fn,
+            log_exception_messages=bool(log_exception_messages),
         )
         return target.add(fam)
 

@@ -9,15 +9,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-#: Pages other branches add (linked from README ahead of their merge); empty once all merged.
-PENDING = {
-    "docs/async.md",
-    "docs/scheduling-time.md",
-    "docs/liveness.md",
-    "docs/faults.md",
-    "docs/boundaries.md",
-    "docs/wake-ups.md",
-}
 
 
 def test_pages_reference_nothing_outside_the_repository() -> None:
@@ -33,8 +24,7 @@ def test_relative_links_resolve() -> None:
             if "://" in target:
                 continue
             path = (page.parent / target).resolve()
-            rel = path.relative_to(ROOT).as_posix()
-            assert path.exists() or rel in PENDING, (page.name, target)
+            assert path.exists(), (page.name, target)
 
 
 def test_quick_start_is_two_commands() -> None:

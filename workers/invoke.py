@@ -19,6 +19,7 @@ from typing import Any
 
 from apsup.context import ExecutionContext, dispose_async_backends, release_before_exit
 from apsup.errors import ConfigError, ContextError, ProgressConflict, StaleTermError
+from apsup.observability import tracing, worker_logs
 from apsup.registry import resolve_entry_point
 from apsup.store.storage import storage_error_kind
 from apsup.workers.exit_codes import STORAGE_EXIT_CODES, ExitCode
@@ -47,8 +48,11 @@ def run(payload: bytes) -> int:
         _say("bad context", exc)
         return ExitCode.BAD_CONTEXT
     os.environ.update(ctx.settings)
+    worker_logs.attach(ctx)  # logging, print and stderr join the host's log stream
+    tracing.attach_context(ctx.trace_context)  # the processor's spans nest under the host's
     try:
         fam = resolve_entry_point(ctx.entry_point)
+        worker_logs.set_include_messages(fam.log_exception_messages)
         if ctx.already_handled():
             return ExitCode.SUCCESS
         result = fam.processor(ctx.scope_id, ctx)
@@ -74,6 +78,7 @@ def run(payload: bytes) -> int:
         if kind is not None:  # the database cannot write: not this Scope's failure
             _say(f"storage unavailable ({kind})", exc)
             return STORAGE_EXIT_CODES[kind]
+        worker_logs.report_exception(exc)
         _say("processor failed", exc)
         return ExitCode.PROCESSOR_FAILURE
     finally:

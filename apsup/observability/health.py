@@ -29,7 +29,6 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from apsup.observability.logging import redact
-from apsup.observability.metrics import SupervisorMetrics
 from apsup.observability.status import (
     StatusProvider,
     StatusSnapshot,
@@ -91,6 +90,19 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def do_HEAD(self) -> None:
+        """Probes and load balancers that use HEAD get GET's status and headers, no body."""
+        path = self.path.split("?", 1)[0].rstrip("/") or "/"
+        try:
+            code, ctype, body = self.server.app.respond(path, self.headers.get("Accept", ""))
+        except Exception:
+            code, ctype, body = 500, JSON, b""
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+
     def log_message(self, format: str, *args: Any) -> None:
         _log.debug("health %s " + format, self.client_address[0], *args)
 
@@ -101,14 +113,17 @@ class HealthServer:
     def __init__(
         self,
         *,
-        metrics: SupervisorMetrics | CollectorRegistry | None = None,
+        metrics: CollectorRegistry | Any = None,
         status: StatusProvider | None = None,
         heartbeat: Heartbeat | None = None,
         liveness_timeout: float = 30.0,
         host: str = "127.0.0.1",
         port: int = 0,
     ) -> None:
-        self.registry = metrics.registry if isinstance(metrics, SupervisorMetrics) else metrics
+        # Anything with a ``registry`` (``SupervisorMetrics``) or a bare registry: duck-typed, so
+        # this module does not import metrics (which imports it to serve standalone).
+        self.registry: CollectorRegistry | None = getattr(metrics, "registry", metrics)
+        self._refresh: Callable[[], None] | None = getattr(metrics, "refresh", None)
         self.status = status
         self.heartbeat = heartbeat
         self.liveness_timeout = liveness_timeout
@@ -206,6 +221,8 @@ class HealthServer:
                 return 503, JSON, orjson.dumps({"error": error})
             return 200, JSON, orjson.dumps(snap, default=str)
         if path == "/metrics" and self.registry is not None:
+            if self._refresh is not None:
+                self._refresh()
             encoder, ctype = choose_encoder(accept)
             return 200, ctype, encoder(self.registry)
         return 404, JSON, orjson.dumps({"error": f"no such endpoint: {path[:64]}"})

@@ -16,7 +16,9 @@ Exception messages are redacted, then truncated to ``max_exception_message`` (20
 a processor's exception text may quote its input. **Processors must not put Source bodies,
 Prompts or model output in exception messages**; truncation is a last line of defence, not a
 licence. Scheduling failure logs carry ``exception_type`` and the redacted, truncated ``error``
-(``exception_fields``), never a traceback of the Worker's data.
+(``exception_fields``), never a traceback of the Worker's data; a Worker's failure record has
+its exception type and frames (file, line, function) and its message only if the Family opted
+in (``apsup.observability.worker_logs``).
 
 Scheduling failure log fields (``FAILURE_FIELDS``; RFC §12): binding, family, scope, trigger
 (admission reason: interval | cron | request | retry | recovery), request_generation, worker_id,
@@ -41,6 +43,8 @@ from datetime import UTC, datetime
 from typing import IO, Any, Literal, Protocol
 
 import orjson
+
+from apsup.observability.tracing import current_ids
 
 MASK = "***"
 MAX_EXCEPTION_MESSAGE = 200
@@ -285,6 +289,8 @@ class JsonFormatter(_Base):
             if event is not None:
                 doc["event"] = redact(str(event))
             for k, v in self._fields(record).items():
+                doc.setdefault(k, v)
+            for k, v in current_ids().items():  # only when opentelemetry is in use
                 doc.setdefault(k, v)
             exc = self._exc(record)
             if exc:

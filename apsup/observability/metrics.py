@@ -26,14 +26,15 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable, Iterable
 from enum import StrEnum
-from typing import TYPE_CHECKING, ParamSpec
+from typing import ParamSpec
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-if TYPE_CHECKING:
-    from apsup.observability.health import HealthServer
+from apsup.observability.health import HealthServer
+from apsup.observability.stall import StallCollector, install_default_collectors
 
 _log = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ class SupervisorMetrics:
         )
         self.unacknowledged = Gauge(
             "apsup_unacknowledged_requests",
-            "Intents with requested_generation > handled_generation (last DB count).",
+            "Requests not yet acknowledged (requested > handled), read from the database.",
             fam,
             registry=r,
         )
@@ -153,9 +154,6 @@ class SupervisorMetrics:
             ("family", "cause"),
             registry=r,
         )
-        self.timeouts = Counter(
-            "apsup_invocation_timeouts", "Invocations stopped at their deadline.", fam, registry=r
-        )
         self.scans_started = Counter(
             "apsup_scans_started", "Automatic scans started.", fam, registry=r
         )
@@ -176,6 +174,9 @@ class SupervisorMetrics:
         self.term_changes = Counter(
             "apsup_supervisor_term_changes", "Observed lease generation changes.", key, registry=r
         )
+        self.stall = StallCollector(r)
+        install_default_collectors(r)
+        self._refreshers: list[Callable[[], None]] = []
         for name in self._families or ():
             self._init_family(name)
 
@@ -190,7 +191,6 @@ class SupervisorMetrics:
             self.discovery_seconds,
             self.invocation_seconds,
             self.successes,
-            self.timeouts,
             self.scans_started,
             self.scans_completed,
             self.dispatches,
@@ -198,6 +198,7 @@ class SupervisorMetrics:
             metric.labels(name)
         for cause in FailureCause:
             self.failures.labels(name, cause.value)
+        self.stall.init_family(name)
 
     def _family(self, family: str) -> str:
         if self._families is not None and family not in self._families:
@@ -217,14 +218,13 @@ class SupervisorMetrics:
         self.invocation_seconds.labels(f).observe(max(0.0, float(duration)))
         if cause is None:
             self.successes.labels(f).inc()
+            self.stall.last_success.labels(f).set(time.time())
             return
         try:
             c = FailureCause(cause)
         except ValueError:
             c = FailureCause.FAILURE
         self.failures.labels(f, c.value).inc()
-        if c is FailureCause.TIMEOUT:
-            self.timeouts.labels(f).inc()
 
     @_never_raises
     def on_scan_started(self, family: str) -> None:
@@ -270,6 +270,34 @@ class SupervisorMetrics:
     def set_unacknowledged(self, family: str, n: int) -> None:
         self.unacknowledged.labels(self._family(family)).set(n)
 
+    @_never_raises
+    def set_stall(
+        self, family: str, oldest_started: float | None, max_consecutive_failures: int
+    ) -> None:
+        """Oldest running invocation (``time.monotonic()`` at launch) and the highest
+        consecutive-failure count of the Family's keys."""
+        self.stall.set(self._family(family), oldest_started, max_consecutive_failures)
+
+    @_never_raises
+    def set_family_timing(self, family: str, interval: float, timeout: float) -> None:
+        """The Family's check interval (0 for cron or disabled) and Worker timeout, which the
+        stall alerts compare ages with."""
+        f = self._family(family)
+        self.stall.interval.labels(f).set(max(0.0, float(interval)))
+        self.stall.timeout.labels(f).set(max(0.0, float(timeout)))
+
+    def add_refresher(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` before each scrape (values only the database knows, read on demand)."""
+        self._refreshers.append(fn)
+
+    def refresh(self) -> None:
+        """Called by the HTTP server before encoding ``/metrics``; never raises."""
+        for fn in self._refreshers:
+            try:
+                fn()
+            except Exception:
+                _log.debug("metrics refresher failed", exc_info=True)
+
     # --- standalone exposition -----------------------------------------------------------------
 
     def serve(self, host: str = "127.0.0.1", port: int = 0) -> int:
@@ -277,8 +305,6 @@ class SupervisorMetrics:
 
         Prefer one ``HealthServer(metrics=...)`` per process, which serves this too.
         """
-        from apsup.observability.health import HealthServer
-
         if self._server is None:
             self._server = HealthServer(metrics=self, host=host, port=port)
             self._server.start()

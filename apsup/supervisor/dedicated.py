@@ -101,6 +101,7 @@ def child_env(
     put("RENEW_SECONDS", _num(settings.renew_seconds))
     put("POLL_SECONDS", _num(settings.poll_seconds))
     put("SHUTDOWN_GRACE_SECONDS", _num(settings.shutdown_grace_seconds))
+    put("SHUTDOWN_DRAIN_SECONDS", _num(settings.shutdown_drain_seconds))
     put("LOG_FORMAT", settings.log_format)
     put("LOG_LEVEL", settings.log_level)
     for fam in settings.families.values():
@@ -189,7 +190,9 @@ class DedicatedLauncher:
         self.restart_max = restart_max
         self.liveness_timeout = liveness_timeout
         self.python = python
-        self.stop_timeout = settings.shutdown_grace_seconds + STOP_MARGIN
+        self.stop_timeout = (
+            settings.shutdown_drain_seconds + settings.shutdown_grace_seconds + STOP_MARGIN
+        )
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._tmp: Path | None = None
@@ -213,6 +216,11 @@ class DedicatedLauncher:
 
     # -- control ------------------------------------------------------------------------------
     def stop(self) -> None:
+        if self._stopping.is_set():  # a second SIGTERM/SIGINT: the children skip their drain
+            for child in list(self.children):
+                if child.proc is not None:
+                    with contextlib.suppress(OSError):
+                        child.proc.send_signal(signal.SIGTERM)
         self._stopping.set()
 
     @property

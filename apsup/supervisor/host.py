@@ -25,6 +25,7 @@ from multiprocess.connection import wait
 from apsup.store import SqlBackend
 from apsup.store.leases import ModeConflictError, new_holder_id
 from apsup.supervisor.control import ALL, ControlChannel
+from apsup.supervisor.drain import drain
 from apsup.supervisor.supervisor import Supervisor
 from apsup.workers.pool import WorkerPool
 
@@ -66,6 +67,9 @@ class Host:
         self.elected = backend.name != "sqlite"
         self.holder_id = new_holder_id()
         self.stopping = threading.Event()
+        #: Seconds running Workers may finish after ``stop()`` (``apsup.supervisor.drain``).
+        self.shutdown_drain = 0.0
+        self.skip_drain = threading.Event()
         self.heartbeat = time.monotonic()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -78,7 +82,9 @@ class Host:
 
     # -- control ------------------------------------------------------------------------------
     def stop(self) -> None:
-        """Request a graceful shutdown (thread- and signal-safe)."""
+        """Request a graceful shutdown (thread- and signal-safe); a second call skips the drain."""
+        if self.stopping.is_set():
+            self.skip_drain.set()
         self.stopping.set()
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"x")
@@ -341,6 +347,7 @@ class Host:
         terms = [(sup, sup.term) for sup in self.supervisors]
         for sup in self.supervisors:
             sup.core = None  # no more decisions
+        drain(self, self.shutdown_drain)
         for ex in self.pool.terminate_all(self.shutdown_grace):
             for sup in self.supervisors:
                 if sup.owns(ex.worker_id):

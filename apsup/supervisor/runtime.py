@@ -36,10 +36,13 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.exc import DBAPIError
 
 from apsup.errors import ConfigError
+from apsup.observability import tracing
 from apsup.observability.health import HealthServer, Heartbeat
 from apsup.observability.logging import log_startup, register_dsn
 from apsup.observability.metrics import SupervisorMetrics
 from apsup.observability.status import FamilyStatus, StatusSnapshot, SupervisorStatus
+from apsup.observability.tracing import InvocationSpans
+from apsup.observability.worker_logs import WorkerLogRelay
 from apsup.policy import Disabled
 from apsup.registry import Family, Registry
 from apsup.scheduling import Backoff
@@ -50,6 +53,8 @@ from apsup.supervisor.host import Host, LeasePolicy
 from apsup.supervisor.launcher import MODES, build_host
 from apsup.supervisor.process import configure_logs, main_thread, signals
 from apsup.supervisor.supervisor import Hooks
+from apsup.supervisor.visibility import ScrapeCounter, observe_stall, publish_intervals
+from apsup.workers.exit_codes import ExitCode
 
 if TYPE_CHECKING:
     from apsup.config import Settings
@@ -91,8 +96,26 @@ def check_topology(settings: Settings) -> str:
 class MetricsHooks(Hooks):
     """Supervisor hooks forwarded to ``SupervisorMetrics`` (whose hooks never raise)."""
 
-    def __init__(self, metrics: SupervisorMetrics) -> None:
+    def __init__(self, metrics: SupervisorMetrics, relay: WorkerLogRelay | None = None) -> None:
         self.metrics = metrics
+        self.relay = relay
+        self.spans = InvocationSpans() if tracing.enabled() else None
+
+    def invocation_started(self, worker_id: str, fields: dict[str, Any]) -> dict[str, str]:
+        if self.spans is None:
+            return {}
+        attrs = {f"apsup.{k}": v for k, v in fields.items() if k != "duration" and v is not None}
+        return self.spans.start(worker_id, attrs)
+
+    def invocation_ended(self, worker_id: str, cause: str | None) -> None:
+        if self.spans is not None:
+            self.spans.end(worker_id, cause)
+
+    def exit_details(self, worker_id: str, exitcode: int) -> dict[str, Any]:
+        if self.relay is None:
+            return {}
+        failed = exitcode in (ExitCode.PROCESSOR_FAILURE, ExitCode.BAD_CONTEXT)
+        return self.relay.take_exception(worker_id, None if failed else 0.0)
 
     def on_dispatch(self, family: str) -> None:
         self.metrics.on_dispatch(family)
@@ -204,6 +227,7 @@ class HostObserver:
         now = time.monotonic()
         self._read_leases(host, now)
         self._count(host, now)
+        observe_stall(self.metrics, host)
         sups: list[SupervisorStatus] = []
         for sup in host.supervisors:
             snaps = sup.core.snapshot() if sup.core is not None else {}
@@ -459,23 +483,27 @@ class Runtime:
         s = self.settings
         lease = LeasePolicy(s.lease_seconds, s.renew_seconds, s.poll_seconds)
         metrics = SupervisorMetrics(families=[f.name for f in families])
+        publish_intervals(metrics, families)
         worker_env = s.worker_env(families[0].name) if len(families) == 1 else s.worker_env()
         backend = open_backend(s.database_url)
         try:
             _check_schema(backend)
         finally:
             backend.dispose()
+        relay = WorkerLogRelay()  # Worker logging, print and stderr join this process's log
+        worker_env.update(relay.env())
         bundle = build_host(
             s.database_url,
             list(families),
             mode=mode,
             lease=lease,
             worker_settings=worker_env,
-            hooks=MetricsHooks(metrics),
+            hooks=MetricsHooks(metrics, relay),
             shutdown_grace=s.shutdown_grace_seconds,
             backoff=self.backoff,
         )
         host = bundle.host
+        host.shutdown_drain = s.shutdown_drain_seconds
         heartbeat = Heartbeat()
         observer = HostObserver(
             role=s.role,
@@ -485,6 +513,7 @@ class Runtime:
             lease_read_seconds=s.renew_seconds,
         )
         host.on_cycle = observer
+        metrics.add_refresher(ScrapeCounter(host, metrics, observer._unacked))
         self._host = host
         if self._stopping.is_set():
             host.stop()
@@ -514,6 +543,7 @@ class Runtime:
             finally:
                 bundle.close()
                 self._stop_http()
+                relay.close()
                 self._host = None
                 log.info("runtime stopped", extra={"mode": mode, "role": s.role})
 

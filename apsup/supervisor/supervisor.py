@@ -15,6 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy import Connection
 
@@ -113,6 +114,14 @@ class Hooks:
     def on_scan_completed(self, family: str) -> None: ...
     def observe_discovery(self, family: str, seconds: float) -> None: ...
     def on_storage_error(self, family: str, kind: str) -> None: ...
+    def invocation_started(self, worker_id: str, fields: dict[str, Any]) -> dict[str, str]:
+        """Trace context for the Worker (tracing: ``apsup.observability.tracing``)."""
+        return {}
+
+    def invocation_ended(self, worker_id: str, cause: str | None) -> None: ...
+    def exit_details(self, worker_id: str, exitcode: int) -> dict[str, Any]:
+        """What the Worker reported about its failure (exception_type, frames); {} if none."""
+        return {}
 
 
 class Supervisor:
@@ -504,6 +513,9 @@ class Supervisor:
             term.generation,
         )
         self.hooks.on_dispatch(d.family)
+        ctx.trace_context = self.hooks.invocation_started(
+            worker_id, _success_fields(self.running[worker_id], 0.0)
+        )
         try:
             self.pool.launch(worker_id, TARGET, ctx.to_bytes(), fam.timeout)
         except Exception as exc:
@@ -600,6 +612,7 @@ class Supervisor:
             self._storage_failed(fam.name, STORAGE_EXITS[ex.exitcode], "invoke")
         elif outcome is Outcome.SUCCESS:
             self._storage_ok(fam.name)
+        self.hooks.invocation_ended(inv.worker_id, cause)
         if outcome is Outcome.SUCCESS:
             self.completed[fam.name] += 1
         elif outcome is not Outcome.CONFLICT:
@@ -610,7 +623,10 @@ class Supervisor:
             self.lose_leadership("a Worker found the term stale")
             return
         self.core.on_worker_exit(fam.name, inv.scope_id, outcome, more, self.now(), token=inv.token)
+        if outcome is Outcome.SUCCESS and log.isEnabledFor(logging.DEBUG):
+            log.debug("invocation succeeded", extra=_success_fields(inv, ex.duration))
         if outcome is not Outcome.SUCCESS:
+            details = self.hooks.exit_details(inv.worker_id, ex.exitcode)
             info = self.core.key_info(fam.name, inv.scope_id)
             retry_at = info.retry_at if info is not None else None
             log.warning(
@@ -624,9 +640,11 @@ class Supervisor:
                     "worker_id": inv.worker_id,
                     "term": self.term.generation if self.term else None,
                     "stage": "invoke",
-                    "error_code": cause,
+                    # the cause class; a refused database write is the host's condition
+                    "error_code": "infrastructure" if cause == "storage" else cause,
                     "exit_code": ex.exitcode,
-                    "exception_type": cause,
+                    "exception_type": details.pop("exception_type", None),
+                    **details,
                     "retry_count": info.consecutive_failures if info is not None else None,
                     "retry_delay": (
                         round((retry_at - self.now()).total_seconds(), 3) if retry_at else None
@@ -727,3 +745,16 @@ class Supervisor:
     def notify_all(self) -> None:
         for name in self.families:
             self.notify(name)
+
+
+def _success_fields(inv: Invocation, duration: float) -> dict[str, Any]:
+    return {
+        "binding": inv.family.binding_name,
+        "family": inv.family.name,
+        "scope": inv.scope_id,
+        "trigger": inv.reason,
+        "request_generation": inv.generation,
+        "worker_id": inv.worker_id,
+        "term": inv.term_generation,
+        "duration": round(duration, 3),
+    }

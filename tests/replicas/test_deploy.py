@@ -95,6 +95,9 @@ def test_k8s_deployments_roles_probes_and_secrets() -> None:
         assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
         assert pod["metadata"]["annotations"]["prometheus.io/port"] == "9100"
         assert spec["terminationGracePeriodSeconds"] > grace
+        if role == "background":  # running Workers may finish first (drain), then the grace
+            drain = float(config[PREFIX + "SHUTDOWN_DRAIN_SECONDS"])
+            assert spec["terminationGracePeriodSeconds"] >= drain + grace + 15
         assert container["args"][:2] == ["run", "--app"]
     assert docs[("Deployment", "apsup-background")]["spec"]["replicas"] >= 2
     assert docs[("Job", "apsup-migrate")]["spec"]["template"]["spec"]["containers"][0]["args"] == [
