@@ -30,9 +30,13 @@ from pathlib import Path
 
 import pytest
 
+from apsup.migrations import FRAMEWORK_BRANCH
+from apsup.store.revision import branch_head, script_directory
+
 ROOT = Path(__file__).resolve().parents[1]
 APP = Path(__file__).resolve().parent / "embedding_app"
 PREFIX = "POWERCONTEXT_SERVER_RUNTIME_"
+FRAMEWORK_HEAD = branch_head(script_directory(), FRAMEWORK_BRANCH)
 HANDLED_WITHIN = 2.0
 IDLE_FOR = 10.0
 
@@ -206,7 +210,7 @@ def test_the_wheel_embedded_in_an_application(tmp_path: Path, venv: Path) -> Non
     second.alembic_upgrade()
     for app in (first, second):
         assert app.versions("alembic_version") == {"0002"}
-        assert app.versions("apsup_alembic_version") == {"apsup_0001"}
+        assert app.versions("apsup_alembic_version") == {FRAMEWORK_HEAD}
 
     # An interval family: a dirty mark from another process is handled by its next check.
     with second.host("myapp.digests") as proc:

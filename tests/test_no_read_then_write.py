@@ -174,6 +174,20 @@ def _is_run_fenced(node: ast.AST) -> bool:
     )
 
 
+def _names(arg: ast.AST, name: str) -> bool:
+    """``arg`` is the function ``name`` itself, or ``functools.partial(name, ...)`` of it."""
+    if isinstance(arg, ast.Name):
+        return arg.id == name
+    return (
+        isinstance(arg, ast.Call)
+        and isinstance(arg.func, ast.Attribute | ast.Name)
+        and (arg.func.attr if isinstance(arg.func, ast.Attribute) else arg.func.id) == "partial"
+        and bool(arg.args)
+        and isinstance(arg.args[0], ast.Name)
+        and arg.args[0].id == name
+    )
+
+
 def _fenced_reason(call: ast.Call, parents: dict[ast.AST, ast.AST]) -> str | None:
     """Why ``call`` runs inside run_fenced, or None if it does not."""
     node: ast.AST = call
@@ -186,7 +200,7 @@ def _fenced_reason(call: ast.Call, parents: dict[ast.AST, ast.AST]) -> str | Non
             name = node.name
             for other in ast.walk(scope) if scope is not None else []:
                 if _is_run_fenced(other) and any(
-                    isinstance(a, ast.Name) and a.id == name
+                    _names(a, name)
                     for a in [*other.args, *(k.value for k in other.keywords)]  # type: ignore[attr-defined]
                 ):
                     return f"function {name!r} passed to run_fenced"

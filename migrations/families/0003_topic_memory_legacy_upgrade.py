@@ -241,11 +241,12 @@ def upgrade() -> None:
     for table in (PENDING, WAVES):
         if table in tables:
             seen.update(
-                r[0] for r in conn.execute(sa.text(f"SELECT DISTINCT binding_name FROM {table}"))
+                _str(r[0])
+                for r in conn.execute(sa.text(f"SELECT DISTINCT binding_name FROM {table}"))
             )
     if legacy_states:
         seen.update(
-            r[0]
+            _str(r[0])
             for r in conn.execute(
                 sa.text(
                     f"SELECT binding_name FROM {STATES} "
@@ -269,13 +270,14 @@ def upgrade() -> None:
     cursors: dict[str, int] = {}
     if "topic_cursors" in tables:
         cursors = {
-            r[0]: int(r[1])
+            _str(r[0]): int(r[1])
             for r in conn.execute(sa.text("SELECT scope_id, source_through FROM topic_cursors"))
         }
     if "topic_sources" in tables:
         for scope, head in conn.execute(
             sa.text("SELECT scope_id, MAX(position) FROM topic_sources GROUP BY scope_id")
         ):
+            scope = _str(scope)
             if int(head) > cursors.get(scope, 0):
                 fact(TOPIC, scope)[0] = True
     if PENDING in tables:
@@ -285,6 +287,7 @@ def upgrade() -> None:
                 f"flush_handled_generation FROM {PENDING}"
             )
         ):
+            binding, scope = _str(binding), _str(scope)
             f = fact(binding, scope)
             if int(through) > cursors.get(scope, 0):
                 f[0] = True
@@ -297,6 +300,7 @@ def upgrade() -> None:
                 "WHERE status IS NULL OR status <> 'done'"
             )
         ):
+            binding, scope = _str(binding), _str(scope)
             fact(binding, scope)[3] = True
             unfinished_bindings.add(BINDINGS[binding])
 
@@ -315,6 +319,7 @@ def upgrade() -> None:
                 "AND last_schedule_checkpoint_at IS NULL"
             )
         ).all():
+            binding = _str(binding)
             if BINDINGS[binding] in unfinished_bindings:
                 continue  # completion not proven: keep the intent, check immediately
             conn.execute(
@@ -323,6 +328,11 @@ def upgrade() -> None:
                 ),
                 {"at": completed, "b": binding},  # the row keeps its primary key
             )
+
+
+def _str(value: Any) -> str:
+    """Identifier columns are VARBINARY on MySQL (byte-exact): raw SQL reads them as bytes."""
+    return value.decode("utf-8") if isinstance(value, bytes | bytearray) else str(value)
 
 
 def downgrade() -> None:
