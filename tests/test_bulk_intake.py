@@ -53,7 +53,7 @@ inbox = Table("bulk_intake_inbox", metadata, Column("scope_id", String(255), pri
 
 c = intents_table.c
 SCOPES = [f"s{i}" for i in range(8)]
-BAD_IDS: list[Any] = ["", "x" * 256, "a\x00b", "tab\tin", 7, None, b"bytes"]
+BAD_IDS: list[Any] = ["", "x" * 256, "a\x00b", "tab\tin", "\x1f", 7, None, b"bytes", ["nested"]]
 
 
 class Abort(Exception):
@@ -274,10 +274,14 @@ def test_an_invalid_scope_id_rejects_the_whole_call_like_the_single_path(
         assert _rows(conn, fam.binding_name) == []
 
 
-def test_a_single_string_is_refused_not_split_into_characters(backend: SqlBackend) -> None:
+def test_a_single_string_or_a_non_collection_is_refused(backend: SqlBackend) -> None:
+    """A bare string would otherwise be split into one-character Scopes."""
     fam = _family("string")
-    with backend.engine.begin() as conn, pytest.raises(IntentError, match=r"pass \[scope_id\]"):
-        fam.request_many(conn, "abc")
+    with backend.engine.begin() as conn:
+        with pytest.raises(IntentError, match=r"pass \[scope_id\]"):
+            fam.request_many(conn, "abc")
+        with pytest.raises(IntentError, match="collection"):
+            fam.mark_dirty_many(conn, 42)  # type: ignore[arg-type]
     with backend.read() as conn:
         assert _rows(conn, fam.binding_name) == []
 

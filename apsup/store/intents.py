@@ -9,6 +9,7 @@ carry it (a Worker of a deleted incarnation cannot acknowledge its successor).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -202,6 +203,9 @@ def request(conn: Connection, binding: str, scope_id: str) -> int:
 BULK_CHUNK = 500
 
 
+_CONTROL_CHARACTER = re.compile("[\x00-\x1f]")
+
+
 class _Raced(Exception):
     """A concurrent transaction created or deleted one of the rows between two statements."""
 
@@ -216,7 +220,24 @@ def check_scope_ids(scope_ids: Iterable[str]) -> list[str]:
             f"scope_ids must be a collection of scope ids, not a single string {scope_ids!r:.80}; "
             "pass [scope_id]"
         )
-    return list(dict.fromkeys(check_scope_id(scope_id) for scope_id in scope_ids))
+    try:
+        items = list(scope_ids)
+    except TypeError:
+        raise IntentError(
+            f"scope_ids must be a collection of scope ids, got {scope_ids!r:.80}"
+        ) from None
+    try:
+        ordered = list(dict.fromkeys(items))
+    except TypeError:  # an unhashable item: the single path's error names it
+        for scope_id in items:
+            check_scope_id(scope_id)
+        raise
+    for scope_id in ordered:
+        # The common case in one regex scan; anything else gets ``check_scope_id``'s own error.
+        ok = isinstance(scope_id, str) and 0 < len(scope_id) <= SCOPE_LENGTH
+        if not ok or _CONTROL_CHARACTER.search(scope_id):
+            check_scope_id(scope_id)
+    return ordered
 
 
 def _advance_many(
