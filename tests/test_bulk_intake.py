@@ -16,8 +16,11 @@ distinct Scope, on both backends:
 from __future__ import annotations
 
 import asyncio
+import random
+import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +39,7 @@ from sqlalchemy import (
     insert,
     select,
 )
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from apsup.errors import ConfigError, IntentError
@@ -332,37 +336,106 @@ def test_async_twins_commit_with_the_callers_transaction_or_not_at_all(
 
 # -- a concurrent publisher between the bulk path's statements (MySQL: no write lock) -------------
 
+LOCK_COUNTER = "SELECT PC_ARTIFACT_PROCESSING_COUNTERS.VALUE"
+UPDATE_ROWS = "UPDATE PC_ARTIFACT_PROCESSING_INTENTS"
+READ_ROWS = "SELECT PC_ARTIFACT_PROCESSING_INTENTS.SCOPE_ID"
+RESERVE = "UPDATE PC_ARTIFACT_PROCESSING_COUNTERS"
+
 
 @pytest.mark.mysql_only
 @pytest.mark.parametrize(
-    "before",
+    ("steps", "fallback"),
     [
-        "SELECT PC_ARTIFACT_PROCESSING_INTENTS.SCOPE_ID",  # a row appears after the UPDATE
-        "UPDATE PC_ARTIFACT_PROCESSING_COUNTERS",  # ... or before the INSERT (duplicate key)
+        # x is new: another publisher creates it before our counter lock; we advance it
+        ([(LOCK_COUNTER, "create")], False),
+        # x exists (quiescent): deleted before our UPDATE, then created again by another
+        # publisher after it (we see a row we did not advance) ...
+        ([(UPDATE_ROWS, "delete"), (READ_ROWS, "create")], True),
+        # ... or before our INSERT (a duplicate key): both resolved by the single-row path
+        ([(UPDATE_ROWS, "delete"), (RESERVE, "create")], True),
     ],
-    ids=["row-after-update", "row-before-insert"],
+    ids=["created-before-counter-lock", "recreated-after-update", "recreated-before-insert"],
 )
-def test_a_concurrent_first_registration_loses_no_advance(backend: SqlBackend, before: str) -> None:
+def test_a_concurrent_publisher_between_statements_loses_no_advance(
+    backend: SqlBackend, steps: list[tuple[str, str]], fallback: bool
+) -> None:
     fam = _family("race")
-    fired: list[int] = []
+    inputs = ["y", "x", "z"]
+    if fallback:  # every Scope exists, so no counter lock is taken first
+        inputs = ["w", "x"]
+        with backend.engine.begin() as conn:
+            fam.request_many(conn, inputs)
+            (sequence,) = conn.execute(
+                select(c.pending_sequence).where(
+                    c.binding_name == fam.binding_name, c.scope_id == "x"
+                )
+            ).one()
+            intents.acknowledge(conn, fam.binding_name, "x", 1, sequence)
+    todo = list(steps)
+    seen: list[str] = []
 
     def interleave(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-        if not fired and statement.upper().startswith(before):
+        seen.append(statement.split(None, 2)[0].upper())
+        if todo and statement.upper().startswith(todo[0][0]):
+            _, action = todo.pop(0)
             with backend.engine.begin() as other:  # another publisher, committed in between
-                fired.append(fam.request(other, "x"))
+                if action == "delete":
+                    assert intents.delete_scope(other, fam.binding_name, "x")
+                else:
+                    assert fam.request(other, "x") == 1
 
     with backend.engine.begin() as conn:
         event.listen(conn, "before_cursor_execute", interleave)
-        generations = fam.request_many(conn, ["y", "x", "z"])
+        generations = fam.request_many(conn, inputs)
         event.remove(conn, "before_cursor_execute", interleave)
-    assert fired == [1]  # the other publisher registered x first, between our statements
-    assert generations == {"y": 1, "x": 2, "z": 1}
+    assert todo == []  # every interleaving happened
+    assert ("ROLLBACK" in seen) == fallback  # to the savepoint, then the single-row path
+    expected = {"y": 1, "x": 2, "z": 1} if not fallback else {"w": 2, "x": 2}
+    assert generations == expected
     with backend.read() as conn:
-        state = _state(conn, fam.binding_name)
         rows = _rows(conn, fam.binding_name)
-    assert state[0][:5] == ("x", 0, 0, 2, 0)
-    assert sorted(s[0] for s in state[1:]) == ["y", "z"]
-    assert len({r[1] for r in rows}) == 3
+    assert {r[0]: r[4] for r in rows} == expected
+    assert rows[0][0] == "x" if not fallback else rows[-1][0] == "x"  # x's own incarnation
+    assert len({r[1] for r in rows}) == len(rows)
+
+
+def test_concurrent_bulk_publishers_lose_no_advance(backend: SqlBackend) -> None:
+    """Threads publish overlapping Scope sets (random order, duplicates, new and existing rows)
+    at once: every committed call advanced each of its Scopes exactly once."""
+    fam = _family("threads")
+    scopes = [f"t{i:03d}" for i in range(120)]
+    committed: Counter[str] = Counter()
+    deadlocks: list[str] = []
+    lock = threading.Lock()
+
+    def publisher(seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(8):
+            batch = rng.sample(scopes, 40) + rng.sample(scopes, 5)
+            for _attempt in range(5):
+                try:
+                    with backend.engine.begin() as conn:
+                        fam.request_many(conn, batch)
+                    break
+                except OperationalError as exc:  # a deadlock victim retries, as a caller would
+                    with lock:
+                        deadlocks.append(str(exc.orig)[:80])
+            else:
+                raise AssertionError(f"five deadlocks in a row: {deadlocks[-5:]}")
+            with lock:
+                committed.update(set(batch))
+
+    threads = [threading.Thread(target=publisher, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
+    with backend.read() as conn:
+        rows = _rows(conn, fam.binding_name)
+    assert {r[0]: r[4] for r in rows} == dict(committed)
+    assert len({r[1] for r in rows}) == len(rows)
+    assert deadlocks == []
 
 
 # -- wake-ups (SQLite) -----------------------------------------------------------------------------

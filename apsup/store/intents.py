@@ -260,13 +260,35 @@ def _advance_many(
     return {scope_id: _advance(conn, binding, scope_id, column) for scope_id in ordered}
 
 
+_LOCK_COUNTER = (
+    select(counters.c.value).where(counters.c.name == PENDING_SEQUENCE_COUNTER).with_for_update()
+)
+
+
+def _any_missing(conn: Connection, binding: str, chunks: list[list[str]]) -> bool:
+    """Whether some Scope has no row yet (a plain read: it takes no lock)."""
+    for chunk in chunks:
+        where = (c.binding_name == binding, c.scope_id.in_(chunk))
+        if conn.execute(select(func.count()).where(*where)).scalar_one() < len(chunk):
+            return True
+    return False
+
+
 def _advance_many_once(
     conn: Connection, binding: str, ordered: list[str], column: str
 ) -> dict[str, int]:
     col = c[column]
     generations: dict[str, int] = {}
-    for start in range(0, len(ordered), BULK_CHUNK):
-        chunk = ordered[start : start + BULK_CHUNK]
+    # Locks are taken in one order by every publisher: the counter row first when rows are to be
+    # created (every creation needs it, so no row can appear under us), then rows in key order
+    # whatever the input order. Concurrent publishers on MySQL/OceanBase then queue instead of
+    # deadlocking. SQLite needs neither: its first write holds the database's write lock, and a
+    # read before it would risk SQLITE_BUSY_SNAPSHOT.
+    by_key = sorted(ordered)
+    chunks = [by_key[i : i + BULK_CHUNK] for i in range(0, len(by_key), BULK_CHUNK)]
+    if conn.dialect.name != "sqlite" and _any_missing(conn, binding, chunks):
+        conn.execute(_LOCK_COUNTER)
+    for chunk in chunks:
         where = (c.binding_name == binding, c.scope_id.in_(chunk))
         # The UPDATE comes first: on SQLite it takes the write lock (nothing changes under us
         # after it), on MySQL it locks the rows it advanced (nobody can delete them).
