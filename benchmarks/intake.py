@@ -182,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         "# Intake throughput (`benchmarks/intake.py`)",
         "",
         f"{os.cpu_count()} CPUs, Python {platform.python_version()}, SQLite "
-        f"{sqlite3.sqlite_version}; median of {args.rounds} interleaved rounds; "
+        f"{sqlite3.sqlite_version}, load average {os.getloadavg()[0]:.1f} at the start; "
+        f"median of {args.rounds} interleaved rounds; "
         "engine `apsup.connect(url)` (SQLite: WAL, synchronous=FULL, BEGIN IMMEDIATE).",
         "",
     ]
