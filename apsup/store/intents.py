@@ -9,6 +9,8 @@ carry it (a Worker of a deleted incarnation cannot acknowledge its successor).
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from sqlalchemy import (
@@ -23,6 +25,7 @@ from sqlalchemy import (
     select,
     update,
 )
+from sqlalchemy.exc import IntegrityError
 
 from apsup.errors import IntentError
 from apsup.store.schema import (
@@ -136,6 +139,22 @@ def next_pending_sequence(conn: Connection) -> int:
     return int(value)
 
 
+def reserve_pending_sequences(conn: Connection, count: int) -> int:
+    """Reserve ``count`` consecutive never-reused sequences with one counter update; returns the
+    first. Like ``next_pending_sequence``, the counter row is held until the caller commits."""
+    conn.execute(
+        update(counters)
+        .where(counters.c.name == PENDING_SEQUENCE_COUNTER)
+        .values(value=counters.c.value + count)
+    )
+    value = conn.execute(
+        select(counters.c.value).where(counters.c.name == PENDING_SEQUENCE_COUNTER)
+    ).scalar_one_or_none()
+    if value is None:
+        raise IntentError("counter row missing: run `apsup migrate` to create the schema")
+    return int(value) - count + 1
+
+
 def get(
     conn: Connection, binding: str, scope_id: str, *, for_update: bool = False
 ) -> Intent | None:
@@ -181,6 +200,132 @@ def mark_dirty(conn: Connection, binding: str, scope_id: str) -> int:
 def request(conn: Connection, binding: str, scope_id: str) -> int:
     """Advance requested_generation in the caller's transaction; returns G."""
     return _advance(conn, binding, scope_id, "requested_generation")
+
+
+#: Scope ids per ``IN (...)`` list: far below SQLite's bound-parameter limit, large enough that
+#: the statement overhead is spread over many rows.
+BULK_CHUNK = 500
+
+
+_CONTROL_CHARACTER = re.compile("[\x00-\x1f]")
+
+
+class _Raced(Exception):
+    """A concurrent transaction created or deleted one of the rows between two statements."""
+
+
+def check_scope_ids(scope_ids: Iterable[str]) -> list[str]:
+    """The distinct, valid Scope ids of ``scope_ids`` in order of first appearance.
+
+    Every id is checked before anything is written, so one bad id rejects the whole call.
+    """
+    if isinstance(scope_ids, str | bytes):
+        raise IntentError(
+            f"scope_ids must be a collection of scope ids, not a single string {scope_ids!r:.80}; "
+            "pass [scope_id]"
+        )
+    try:
+        items = list(scope_ids)
+    except TypeError:
+        raise IntentError(
+            f"scope_ids must be a collection of scope ids, got {scope_ids!r:.80}"
+        ) from None
+    try:
+        ordered = list(dict.fromkeys(items))
+    except TypeError:  # an unhashable item: the single path's error names it
+        for scope_id in items:
+            check_scope_id(scope_id)
+        raise
+    for scope_id in ordered:
+        # The common case in one regex scan; anything else gets ``check_scope_id``'s own error.
+        ok = isinstance(scope_id, str) and 0 < len(scope_id) <= SCOPE_LENGTH
+        if not ok or _CONTROL_CHARACTER.search(scope_id):
+            check_scope_id(scope_id)
+    return ordered
+
+
+def _advance_many(
+    conn: Connection, binding: str, scope_ids: Iterable[str], column: str
+) -> dict[str, int]:
+    binding = _check_binding(binding)
+    ordered = check_scope_ids(scope_ids)
+    if not ordered:
+        return {}
+    try:
+        # A savepoint, so that a race with another publisher is undone and the rows redone one
+        # by one by the single-row path, which resolves it.
+        with conn.begin_nested():
+            return _advance_many_once(conn, binding, ordered, column)
+    except _Raced:
+        pass
+    except IntegrityError as exc:  # a concurrent first registration won an insert
+        if "Duplicate" not in str(exc) and "UNIQUE" not in str(exc):
+            raise
+    return {scope_id: _advance(conn, binding, scope_id, column) for scope_id in ordered}
+
+
+_LOCK_COUNTER = (
+    select(counters.c.value).where(counters.c.name == PENDING_SEQUENCE_COUNTER).with_for_update()
+)
+
+
+def _any_missing(conn: Connection, binding: str, chunks: list[list[str]]) -> bool:
+    """Whether some Scope has no row yet (a plain read: it takes no lock)."""
+    for chunk in chunks:
+        where = (c.binding_name == binding, c.scope_id.in_(chunk))
+        if conn.execute(select(func.count()).where(*where)).scalar_one() < len(chunk):
+            return True
+    return False
+
+
+def _advance_many_once(
+    conn: Connection, binding: str, ordered: list[str], column: str
+) -> dict[str, int]:
+    col = c[column]
+    generations: dict[str, int] = {}
+    # Locks are taken in one order by every publisher: the counter row first when rows are to be
+    # created (every creation needs it, so no row can appear under us), then rows in key order
+    # whatever the input order. Concurrent publishers on MySQL/OceanBase then queue instead of
+    # deadlocking. SQLite needs neither: its first write holds the database's write lock, and a
+    # read before it would risk SQLITE_BUSY_SNAPSHOT.
+    by_key = sorted(ordered)
+    chunks = [by_key[i : i + BULK_CHUNK] for i in range(0, len(by_key), BULK_CHUNK)]
+    if conn.dialect.name != "sqlite" and _any_missing(conn, binding, chunks):
+        conn.execute(_LOCK_COUNTER)
+    for chunk in chunks:
+        where = (c.binding_name == binding, c.scope_id.in_(chunk))
+        # The UPDATE comes first: on SQLite it takes the write lock (nothing changes under us
+        # after it), on MySQL it locks the rows it advanced (nobody can delete them).
+        advanced = conn.execute(update(intents).where(*where).values({col: col + 1})).rowcount
+        found = conn.execute(select(c.scope_id, col).where(*where)).all()
+        if len(found) != advanced:
+            raise _Raced  # a row appeared between the two statements: not advanced by us
+        generations.update((scope_id, int(value)) for scope_id, value in found)
+    missing = [scope_id for scope_id in ordered if scope_id not in generations]
+    if missing:
+        first = reserve_pending_sequences(conn, len(missing))
+        conn.execute(
+            insert(intents),
+            [
+                {"binding_name": binding, "scope_id": scope_id, "pending_sequence": seq, column: 1}
+                for seq, scope_id in enumerate(missing, start=first)
+            ],
+        )
+        generations.update(dict.fromkeys(missing, 1))
+    return {scope_id: generations[scope_id] for scope_id in ordered}
+
+
+def mark_dirty_many(conn: Connection, binding: str, scope_ids: Iterable[str]) -> dict[str, int]:
+    """``mark_dirty`` for each distinct Scope of ``scope_ids`` (first appearance order), in a few
+    statements: new rows get consecutive pending sequences from one counter update and are
+    inserted with one executemany. Returns each Scope's new dirty generation."""
+    return _advance_many(conn, binding, scope_ids, "dirty_generation")
+
+
+def request_many(conn: Connection, binding: str, scope_ids: Iterable[str]) -> dict[str, int]:
+    """``request`` for each distinct Scope of ``scope_ids``, as ``mark_dirty_many``; returns G
+    per Scope."""
+    return _advance_many(conn, binding, scope_ids, "requested_generation")
 
 
 def _raise_pair(
