@@ -445,7 +445,11 @@ class WorkerPool:
         if not timeout > 0:
             raise ValueError("timeout must be > 0")
         process = _WorkerProcess(
-            target=_child_main, args=(target, payload), name=f"apsup-worker-{worker_id}"
+            target=_child_main,
+            # The deadline travels too: the Worker stops itself if no host is left to
+            # (``apsup.workers.deadline``).
+            args=(target, payload, float(timeout), self.grace_seconds),
+            name=f"apsup-worker-{worker_id}",
         )
         fs_pid = self.forkserver_pid
         if fs_pid is None or not _is_alive_child(fs_pid):
