@@ -282,7 +282,9 @@ class HostObserver:
             if term is not None:
                 holder, generation = term.holder_id, term.generation
             if generation is not None:
-                self.metrics.set_leadership(sup.key, term is not None, generation)
+                self.metrics.set_leadership(
+                    sup.key, sup.established, generation, lease_held=term is not None
+                )
             entry: SupervisorStatus = {
                 "key": sup.key,
                 "leader": term is not None,
