@@ -86,30 +86,48 @@ def _load_timer_functions() -> tuple[object, object] | None:
 
 
 _TIMERS = _load_timer_functions()
+_armed = False
 _fired = 0
 
 
-def _timespec(seconds: float) -> _TimeSpec:
+class _Timer:
+    """One kernel timer's arguments, built at import (in the forkserver): a Worker only fills in
+    the times, since every object it creates after the fork costs it fresh memory pages."""
+
+    def __init__(self, signo: int) -> None:
+        self.event = _SigEvent(sigev_signo=signo, sigev_notify=_SIGEV_SIGNAL)
+        self.timer = ctypes.c_void_p()
+        self.spec = _ITimerSpec()
+        self.refs = (ctypes.byref(self.event), ctypes.byref(self.timer), ctypes.byref(self.spec))
+
+    def arm(self, first: float, every: float) -> bool:
+        if _TIMERS is None:
+            return False
+        create, settime = _TIMERS
+        _set(self.spec.it_value, first)
+        _set(self.spec.it_interval, every)
+        event, timer, spec = self.refs
+        if create(_CLOCK_MONOTONIC, event, timer) != 0:  # type: ignore[operator]
+            return False
+        return settime(self.timer, 0, spec, None) == 0  # type: ignore[operator]
+
+
+def _set(ts: _TimeSpec, seconds: float) -> None:
     seconds = min(max(seconds, 0.0), _MAX_SECONDS)
     whole = int(seconds)
-    return _TimeSpec(whole, int((seconds - whole) * 1e9))
+    ts.tv_sec = whole
+    ts.tv_nsec = int((seconds - whole) * 1e9)
 
 
-def _arm(signo: int, first: float, every: float) -> bool:
-    if _TIMERS is None:
-        return False
-    create, settime = _TIMERS
-    event = _SigEvent(sigev_signo=signo, sigev_notify=_SIGEV_SIGNAL)
-    timer = ctypes.c_void_p()
-    if create(_CLOCK_MONOTONIC, ctypes.byref(event), ctypes.byref(timer)) != 0:  # type: ignore[operator]
-        return False
-    spec = _ITimerSpec(_timespec(every), _timespec(first))
-    return settime(timer, 0, ctypes.byref(spec), None) == 0  # type: ignore[operator]
+_GRACEFUL = _Timer(DEADLINE_SIGNAL)
+_HARD = _Timer(signal.SIGKILL)
 
 
 def _on_deadline(signum: int, frame: FrameType | None) -> None:
     """Timer A: first SIGTERM to the Worker's group, then SIGKILL to it at every later tick."""
     global _fired
+    if not _armed:
+        return  # not a Worker (the forkserver or the host, which import this module)
     _fired += 1
     sig = signal.SIGTERM if _fired == 1 else signal.SIGKILL
     with contextlib.suppress(OSError):
@@ -122,13 +140,22 @@ def _on_deadline(signum: int, frame: FrameType | None) -> None:
 def arm(timeout: float | None, grace: float) -> bool:
     """Arm this Worker's own deadline (see the module docstring); call once, in the Worker,
     after ``setsid``. Returns whether the timers are armed."""
+    global _armed
     if timeout is None or not math.isfinite(timeout) or timeout <= 0:
         return False
     grace = max(float(grace), 0.1)
     first = float(timeout) + grace
     if first >= _MAX_SECONDS:
         return False
-    signal.signal(DEADLINE_SIGNAL, _on_deadline)
-    if not _arm(DEADLINE_SIGNAL, first, grace):
+    _armed = True
+    if signal.getsignal(DEADLINE_SIGNAL) is not _on_deadline:
+        signal.signal(DEADLINE_SIGNAL, _on_deadline)
+    if not _GRACEFUL.arm(first, grace):
         return False
-    return _arm(signal.SIGKILL, first + grace + HARD_STOP_MARGIN, 0.0)
+    return _HARD.arm(first + grace + HARD_STOP_MARGIN, 0.0)
+
+
+# Installed here, at import in the forkserver's main thread, so a Worker inherits the handler
+# instead of paying for ``signal.signal`` itself; it does nothing until ``arm`` ran in that process.
+with contextlib.suppress(ValueError):  # imported outside the main thread: ``arm`` installs it
+    signal.signal(DEADLINE_SIGNAL, _on_deadline)
