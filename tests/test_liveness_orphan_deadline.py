@@ -117,11 +117,12 @@ def test_a_worker_stops_itself_graceful_first_then_hard(
     path = tmp_path / "marker"
     payload = orjson.dumps({"path": str(path), "seconds": 120})
     started = time.monotonic()
-    pool.launch("w", f"{T}:{target}", payload, TIMEOUT)
+    handle = pool.launch("w", f"{T}:{target}", payload, TIMEOUT)
     code, timed_out = _wait_exit(pool, "w", GONE_WITHIN)
     elapsed = time.monotonic() - started
     assert code == expected
-    assert not timed_out  # the pool never acted: the Worker stopped itself
+    assert handle.term_sent_at is None and handle.kill_sent_at is None  # the pool never acted
+    assert timed_out  # still reported as a timeout: it was stopped past its deadline
     assert elapsed >= TIMEOUT + GRACE * 0.9  # never before a living host would have acted
     if target == "sleep_with_finally":
         assert "finally" in path.read_text()

@@ -68,6 +68,10 @@ WorkerState = Literal["running", "terminating", "killing", "unconfirmed"]
 
 _CHILD_MODULE = "apsup.workers.child"
 _FORKSERVER_EOF_EXITCODE = 255  # what multiprocess reports when the status pipe hits EOF
+#: Exits of a stopped Worker (graceful, second SIGTERM, SIGTERM before its handler, SIGKILL).
+_STOP_CODES = frozenset(
+    {ExitCode.TERMINATED, ExitCode.FORCED_EXIT, ExitCode.KILLED_SIGTERM, ExitCode.KILLED_SIGKILL}
+)
 
 
 class ForkServerStuck(TimeoutError):
@@ -655,7 +659,10 @@ class WorkerPool:
             worker_id=h.worker_id,
             exitcode=exitcode,
             signal=-exitcode if exitcode < 0 else None,
-            timed_out=h.timed_out,
+            # Stopped past deadline + grace while we had not acted (our loop was blocked): the
+            # Worker's own deadline stopped it (``apsup.workers.deadline``), a timeout too.
+            timed_out=h.timed_out
+            or (exitcode in _STOP_CODES and at >= h.deadline + self.grace_seconds),
             duration=at - h.started,
             pid=h.pid,
             terminated=h.terminated,
