@@ -12,8 +12,11 @@ What ``main`` does, in order, and why:
 3. SIGTERM: the first one raises :class:`WorkerTerminated` in the main thread so ``finally``
    blocks and context managers roll back (a coroutine suspended in an ``await`` is cancelled
    instead, with the same outcome); a second one exits at once with 143.
-4. ``random`` is reseeded (all children fork from the same forkserver image).
-5. ``target`` is imported and called with ``payload``; its int return is the exit code. An
+4. The Worker arms its own deadline (``apsup.workers.deadline``): if it is still running one
+   grace period after its timeout, nobody stopped it (the host was killed or hangs), and it
+   stops itself the way the host would have, graceful first, then hard.
+5. ``random`` is reseeded (all children fork from the same forkserver image).
+6. ``target`` is imported and called with ``payload``; its int return is the exit code. An
    ``async def`` target (and an async processor, through :func:`run_coroutine`) runs to
    completion in this process's own event loop, created on first use, never in the forkserver.
 
@@ -37,6 +40,7 @@ from types import FrameType
 from typing import Any, NoReturn
 
 from apsup.errors import ContextError, ProgressConflict, StaleTermError
+from apsup.workers import deadline
 from apsup.workers.exit_codes import MAX_TARGET_EXIT_CODE, ExitCode
 
 Target = Callable[[bytes], Any]
@@ -201,14 +205,18 @@ def run(target: str, payload: bytes) -> int:
     return int(result)
 
 
-def main(target: str, payload: bytes) -> NoReturn:
-    """Worker entry point (runs in the forked child): isolate, install signals, run, exit."""
+def main(target: str, payload: bytes, timeout: float | None = None, grace: float = 5.0) -> NoReturn:
+    """Worker entry point (runs in the forked child): isolate, install signals, run, exit.
+
+    ``timeout``/``grace``: the pool's deadline for this Worker and its SIGTERM-to-SIGKILL grace,
+    armed here as the Worker's own backstop (``None``: only the host enforces a deadline)."""
     global _finished_code
     # PermissionError: already a group leader (e.g. run by hand); nothing to detach from.
     with contextlib.suppress(PermissionError):
         os.setsid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
+    deadline.arm(timeout, grace)
     random.seed()
     code: int
     try:

@@ -21,7 +21,10 @@ where the subreaper cannot be set does a Worker stay ``"unconfirmed"`` for good.
 Timeouts. Each Worker leads its own process group (``apsup.workers.child`` calls ``setsid``), so
 the pool signals the group: SIGTERM at the deadline (graceful: the child raises
 ``WorkerTerminated``), SIGKILL after ``grace_seconds``. When a Worker's exit is confirmed, any
-stragglers left in its group are SIGKILLed too, so no grandchild outlives its Worker.
+stragglers left in its group are SIGKILLed too, so no grandchild outlives its Worker. Groups are
+signalled through a pidfd opened at launch, never by a bare number that may have been reused
+(see ``WorkerPool._signal_group``). The Worker also carries its deadline and stops itself if no
+host is left to (``apsup.workers.deadline``).
 
 Process-global state. ``multiprocess`` keeps one forkserver (and one preload list) per process, so
 only one open ``WorkerPool`` may exist per process, and a pool must be created after any fork of
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import io
 import os
 import pickle
@@ -64,6 +68,10 @@ WorkerState = Literal["running", "terminating", "killing", "unconfirmed"]
 
 _CHILD_MODULE = "apsup.workers.child"
 _FORKSERVER_EOF_EXITCODE = 255  # what multiprocess reports when the status pipe hits EOF
+#: Exits of a stopped Worker (graceful, second SIGTERM, SIGTERM before its handler, SIGKILL).
+_STOP_CODES = frozenset(
+    {ExitCode.TERMINATED, ExitCode.FORCED_EXIT, ExitCode.KILLED_SIGTERM, ExitCode.KILLED_SIGKILL}
+)
 
 
 class ForkServerStuck(TimeoutError):
@@ -115,7 +123,11 @@ class WorkerHandle:
     #: The forkserver died and this Worker was reparented to us: we ``waitpid`` it ourselves;
     #: the pidfd (if the kernel has them) becomes readable when it exits.
     adopted: bool = False
+    #: A pidfd naming this Worker's process (opened at launch): signals go through it, so they
+    #: never reach a process that merely reuses the number (see ``WorkerPool._signal_group``).
     pidfd: int | None = None
+    #: The Worker's process is known to be reaped: its pid (and pgid) may now name another.
+    reaped: bool = False
     _process: Any = field(default=None, repr=False)
     _forkserver_pid: int | None = field(default=None, repr=False)
 
@@ -182,6 +194,31 @@ _active: tuple[int, WorkerPool] | None = None
 
 
 _PR_SET_CHILD_SUBREAPER = 36
+#: ``pidfd_send_signal`` flag (Linux >= 6.9): signal the process group the pidfd's process leads.
+_PIDFD_SIGNAL_PROCESS_GROUP = 4
+#: Cleared when the kernel refuses that flag; the pool then uses the older rules.
+_pidfd_groups = True
+
+
+def _open_pidfd(h: WorkerHandle) -> None:
+    """Name the just-forked Worker by a pidfd. ESRCH: it already exited and was reaped (its
+    number may be free for reuse from now on)."""
+    try:
+        h.pidfd = os.pidfd_open(h.pid)
+    except ProcessLookupError:
+        h.reaped = True
+    except (OSError, AttributeError):
+        pass  # no pidfds here: the pool signals by number, as before
+
+
+def _pid_in_use(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _become_subreaper() -> bool:
@@ -368,6 +405,10 @@ class WorkerPool:
                 self._signal_group(handle, signal.SIGKILL)
                 with contextlib.suppress(ValueError):  # still running per multiprocess
                     handle._process.close()
+                if handle.pidfd is not None:
+                    with contextlib.suppress(OSError):
+                        os.close(handle.pidfd)
+                    handle.pidfd = None
             self._handles.clear()
             self._stop_forkserver(timeout=self.confirm_seconds)
         finally:
@@ -445,7 +486,11 @@ class WorkerPool:
         if not timeout > 0:
             raise ValueError("timeout must be > 0")
         process = _WorkerProcess(
-            target=_child_main, args=(target, payload), name=f"apsup-worker-{worker_id}"
+            target=_child_main,
+            # The deadline travels too: the Worker stops itself if no host is left to
+            # (``apsup.workers.deadline``).
+            args=(target, payload, float(timeout), self.grace_seconds),
+            name=f"apsup-worker-{worker_id}",
         )
         fs_pid = self.forkserver_pid
         if fs_pid is None or not _is_alive_child(fs_pid):
@@ -468,6 +513,7 @@ class WorkerPool:
             _process=process,
             _forkserver_pid=self.forkserver_pid,
         )
+        _open_pidfd(handle)
         self._handles[worker_id] = handle
         return handle
 
@@ -596,23 +642,27 @@ class WorkerPool:
     def _confirmed(self, h: WorkerHandle, exitcode: int, now: float | None) -> WorkerExit:
         at = time.monotonic() if now is None else now
         del self._handles[h.worker_id]
-        if h.pidfd is not None:
-            with contextlib.suppress(OSError):
-                os.close(h.pidfd)
-            h.pidfd = None
+        h.reaped = True  # the forkserver (or we, adopted) reaped it: its status is here
         with contextlib.suppress(ValueError):
             h._process.close()
         if not any(other.pid == h.pid for other in self._handles.values()):
             # Stragglers in its group (grandchildren that ignored SIGTERM or were simply
-            # left behind) die with it. Safe: a pgid cannot be reused while it has members.
+            # left behind) die with it; ``_signal_group`` never reaches a reused group.
             self._signal_group(h, signal.SIGKILL, group_only=True)
             if self.subreaper:
                 self._reap_groups[h.pid] = at + 10.0
+        if h.pidfd is not None:
+            with contextlib.suppress(OSError):
+                os.close(h.pidfd)
+            h.pidfd = None
         return WorkerExit(
             worker_id=h.worker_id,
             exitcode=exitcode,
             signal=-exitcode if exitcode < 0 else None,
-            timed_out=h.timed_out,
+            # Stopped past deadline + grace while we had not acted (our loop was blocked): the
+            # Worker's own deadline stopped it (``apsup.workers.deadline``), a timeout too.
+            timed_out=h.timed_out
+            or (exitcode in _STOP_CODES and at >= h.deadline + self.grace_seconds),
             duration=at - h.started,
             pid=h.pid,
             terminated=h.terminated,
@@ -623,6 +673,8 @@ class WorkerPool:
         if not self.subreaper:
             return False
         h.adopted = True
+        if h.pidfd is not None:
+            return True  # the pidfd of the launch names it still (it is unreaped, our child)
         try:
             h.pidfd = os.pidfd_open(h.pid)
         except (OSError, AttributeError):
@@ -685,12 +737,56 @@ class WorkerPool:
     @staticmethod
     def _signal_group(h: WorkerHandle, sig: int, *, group_only: bool = False) -> None:
         """Signal the Worker's process group; before the child's ``setsid`` (the group does not
-        exist yet) fall back to the Worker's own pid, unless only the group is wanted."""
+        exist yet) the Worker alone, unless only the group is wanted.
+
+        Never a recycled group. The forkserver reaps a Worker before its status reaches us, and
+        from then on its number is free once its group is empty: a ``killpg`` on that number
+        could hit the group of an unrelated process that got the number and called ``setsid``
+        (another Worker, say). So the pool signals through the pidfd opened at launch, which
+        names the Worker's process itself, not a number:
+
+        - Linux >= 6.9: ``pidfd_send_signal`` with ``PIDFD_SIGNAL_PROCESS_GROUP`` reaches exactly
+          the group the Worker created, also after the Worker was reaped while stragglers
+          remain, and nothing once that group is gone: exact, no race.
+        - Older kernels: ``killpg`` only while the pidfd shows the Worker unreaped (a live or
+          zombie process keeps its number), or, once it is reaped, only while no process has
+          its number (a number cannot be reused while stragglers keep it as their pgid, so a
+          process with that number means our group is gone).
+        - Without pidfds: ``killpg`` as long as the exit is unconfirmed; after it, the second
+          rule alone.
+        """
+        global _pidfd_groups
+        fd = h.pidfd
+        if fd is not None and _pidfd_groups:
+            try:
+                signal.pidfd_send_signal(fd, sig, None, _PIDFD_SIGNAL_PROCESS_GROUP)
+                return
+            except ProcessLookupError:
+                pass  # no group (before ``setsid``) or it is empty
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    return
+                _pidfd_groups = False  # an older kernel: the rules below
+            if _pidfd_groups:
+                if not group_only:
+                    with contextlib.suppress(OSError):
+                        signal.pidfd_send_signal(fd, sig)
+                return
+        reaped = h.reaped
+        if fd is not None and not reaped:
+            try:
+                signal.pidfd_send_signal(fd, 0)
+            except ProcessLookupError:
+                reaped = True
+            except OSError:
+                pass
+        if reaped and _pid_in_use(h.pid):
+            return  # the number names another process now: our group is gone
         try:
             os.killpg(h.pid, sig)
             return
         except ProcessLookupError:
-            if group_only:
+            if group_only or reaped:
                 return
         except PermissionError:
             return

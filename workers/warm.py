@@ -17,14 +17,30 @@ import contextlib
 import os
 
 from apsup.context import backend_for
-from apsup.store import intents
+from apsup.store import backend_kind, intents, open_backend
 from apsup.store.leases import Term, read_lease
 
 ENV = "APSUP_WORKER_WARM_URL"
 _PROBE = "\x1fapsup-warm"
 
 
+def _answers(url: str) -> bool:
+    """Whether the database answers within the host's time limits. The Workers' own engine has
+    none: on a half-open network its handshake would wait for ever and the forkserver (and with
+    it the host's startup) would hang instead of just starting cold."""
+    probe = open_backend(url, control=True)
+    try:
+        with probe.read():
+            return True
+    except Exception:
+        return False
+    finally:
+        probe.dispose()
+
+
 def warm(url: str) -> None:
+    if backend_kind(url) != "sqlite" and not _answers(url):
+        return
     backend = backend_for(url)
     with backend.read() as conn:
         intents.get(conn, _PROBE, _PROBE)

@@ -164,7 +164,13 @@ class SupervisorMetrics:
         key = ("supervisor_key",)
         self.leader = Gauge(
             "apsup_supervisor_leader",
-            "1 while this process leads the key, else 0.",
+            "1 while this process leads the key (term established, dispatching), else 0.",
+            key,
+            registry=r,
+        )
+        self.lease_held = Gauge(
+            "apsup_supervisor_lease_held",
+            "1 while this process holds the key's Lease, established or not, else 0.",
             key,
             registry=r,
         )
@@ -239,10 +245,19 @@ class SupervisorMetrics:
         self.discovery_seconds.labels(self._family(family)).observe(max(0.0, float(seconds)))
 
     @_never_raises
-    def set_leadership(self, key: str, leader: bool, generation: int) -> None:
-        """Publish this process's view of one lease; a new generation counts as a term change."""
+    def set_leadership(
+        self, key: str, leader: bool, generation: int, *, lease_held: bool | None = None
+    ) -> None:
+        """Publish this process's view of one lease; a new generation counts as a term change.
+
+        ``leader``: the term is established (the Supervisor dispatches). ``lease_held``: the
+        Lease is held, established or not (default: same as ``leader``). They differ while a
+        claimed term is being established: such a replica is not a working leader, and alerts
+        on ``apsup_supervisor_leader`` must see it as none."""
         k = str(key)
         self.leader.labels(k).set(1 if leader else 0)
+        held = leader if lease_held is None else lease_held
+        self.lease_held.labels(k).set(1 if held else 0)
         self.generation.labels(k).set(int(generation))
         if self._generations.get(k) != generation:
             self._generations[k] = generation

@@ -26,6 +26,7 @@ from apsup.store import SqlBackend
 from apsup.store.leases import ModeConflictError, new_holder_id
 from apsup.supervisor.control import ALL, ControlChannel
 from apsup.supervisor.drain import drain
+from apsup.supervisor.startup import configuration_problem
 from apsup.supervisor.supervisor import Supervisor
 from apsup.workers.pool import WorkerPool
 
@@ -34,6 +35,10 @@ log = logging.getLogger("apsup.host")
 #: On elected backends a term that failed to establish this many times in a row is released,
 #: so that another replica may establish it (this host competes again at its next renewal).
 ESTABLISH_ATTEMPTS = 5
+#: A startup step (schema check, SQLite's first claim) that met an infrastructure error is
+#: retried after this delay, doubling up to the cap, for as long as it takes.
+STARTUP_RETRY_INITIAL = 0.2
+STARTUP_RETRY_MAX = 5.0
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,15 @@ class Host:
         self._last_renewed: dict[str, float] = {}
         self._control_quiet_until = 0.0
         self._next_watch = 0.0
+        #: Steps to pass before this host claims anything (the schema check when it could not
+        #: run yet, SQLite's invalidation of earlier terms), in order; see ``_startup``.
+        self.preflight: list[Callable[[], object]] = []
+        #: SQLite keys whose startup claim has not succeeded yet (SQLite claims only then).
+        self._unclaimed: set[str] = set() if self.elected else {s.key for s in supervisors}
+        #: Why startup is not complete (None once it is); readiness reports it.
+        self.startup_error: str | None = None
+        self._startup_failures = 0
+        self._next_startup = 0.0
 
     # -- control ------------------------------------------------------------------------------
     def stop(self) -> None:
@@ -102,6 +116,8 @@ class Host:
 
     # -- leadership ---------------------------------------------------------------------------
     def _claim(self, sup: Supervisor) -> None:
+        if self.preflight:
+            return  # the startup checks have not passed yet
         if self._stopping_workers(sup):
             return  # Workers of its previous term are still being stopped: no second Worker
         try:
@@ -205,14 +221,64 @@ class Host:
                 )
 
     # -- loop ---------------------------------------------------------------------------------
+    def _startup(self, now: float) -> None:
+        """Pass the startup steps, then (SQLite) claim every key. While the database does not
+        answer (locked, unreachable), retry after a bounded backoff, with the reason in the log
+        and in readiness; a configuration error raises ``ConfigError``: no retry can fix it."""
+        if now < self._next_startup:
+            return
+        pending = [s for s in self.supervisors if s.key in self._unclaimed]
+        if not self.preflight and not pending:
+            return
+        stage = "check"
+        try:
+            while self.preflight:
+                self.preflight[0]()
+                del self.preflight[0]
+            stage = "claim"
+            for sup in pending:
+                self._claim(sup)
+                if sup.term is not None:
+                    self._unclaimed.discard(sup.key)
+        except Exception as exc:
+            problem = configuration_problem(exc, self.backend)
+            if problem is not None:
+                raise problem from (None if problem is exc else exc)
+            self._startup_failures += 1
+            delay = min(
+                STARTUP_RETRY_MAX, STARTUP_RETRY_INITIAL * 2 ** (self._startup_failures - 1)
+            )
+            self._next_startup = time.monotonic() + delay
+            self.startup_error = f"starting: {stage} failed ({type(exc).__name__})"
+            log.warning(
+                "startup step failed; retrying",
+                extra={
+                    "stage": stage,
+                    "exception_type": type(exc).__name__,
+                    "retry_count": self._startup_failures,
+                    "retry_delay": round(delay, 3),
+                },
+            )
+            return
+        if self._unclaimed:  # refused without an error (mode conflict, logged): try again later
+            self._next_startup = time.monotonic() + STARTUP_RETRY_MAX
+            return
+        if self._startup_failures:
+            log.warning("startup completed", extra={"retry_count": self._startup_failures})
+        self.startup_error = None
+        self._startup_failures = 0
+
     def start(self) -> None:
-        """Establish terms (SQLite: always; MySQL: when the Lease is free)."""
+        """Pass the startup steps and establish terms (SQLite: always; MySQL: when the Lease is
+        free). A database that does not answer yet does not end the host: the loop retries
+        (``_startup``); only a configuration error raises."""
+        self._startup(time.monotonic())
         for sup in self.supervisors:
+            if not self.elected:
+                break  # SQLite claims in ``_startup``
             try:
                 self._claim(sup)
             except Exception as exc:
-                if not self.elected:
-                    raise
                 log.warning(
                     "initial claim failed",
                     extra={"supervisor_key": sup.key, "exception_type": type(exc).__name__},
@@ -224,9 +290,11 @@ class Host:
         """One iteration: act on everything due, then sleep until the next reason to wake.
 
         No error escapes: each stage is guarded, so a database blip costs one iteration of that
-        stage, never the host process (a restart would only meet the same blip)."""
+        stage, never the host process (a restart would only meet the same blip). The one
+        exception is a configuration error found by a startup step (``ConfigError``)."""
         now = time.monotonic()
         self.heartbeat = now
+        self._startup(now)
         self._guarded("exits", self._deliver_exits)
         if self.control is not None:
             self._guarded("control", self._drain_control)
@@ -327,6 +395,8 @@ class Host:
             candidates.append(self._next_poll - mono)
         if self.control is not None:
             candidates.append(self._next_watch - mono)
+        if self.preflight or self._unclaimed:
+            candidates.append(self._next_startup - mono)
         if not candidates:
             return None
         return max(0.0, min(candidates))

@@ -9,6 +9,7 @@ per family, restarts a crashed one with backoff, and stops all of them on shutdo
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import tempfile
@@ -121,9 +122,6 @@ def build_host(
         if backend.name == "sqlite":
             lock = HostLock(database_url)
             lock.acquire()
-            # The lock proves this is the only host: every earlier term, of either mode and of
-            # families no longer configured, is invalidated before this host claims its own.
-            backend.invalidate_terms(None)
             control = ControlChannel(database_url)
             _warn_if_shared(database_url)
         # Everything a Worker imports is preloaded by the forkserver once: the families, the
@@ -161,4 +159,9 @@ def build_host(
         control=control,
         shutdown_grace=shutdown_grace,
     )
+    if lock is not None:
+        # The lock proves this is the only host: every earlier term, of either mode and of
+        # families no longer configured, is invalidated before this host claims its own (a
+        # startup step: retried while the database is locked or unavailable).
+        host.preflight.append(functools.partial(backend.invalidate_terms, None))
     return HostBundle(host=host, backend=backend, pool=pool, lock=lock, control=control)

@@ -27,6 +27,7 @@ host; the HTTP server only reads a snapshot the loop publishes after every cycle
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -47,11 +48,11 @@ from apsup.policy import Disabled
 from apsup.registry import Family, Registry
 from apsup.scheduling import Backoff
 from apsup.store import SqlBackend, backend_kind, intents, open_backend
-from apsup.store.revision import check as check_revision
 from apsup.supervisor.dedicated import DedicatedLauncher
 from apsup.supervisor.host import Host, LeasePolicy
 from apsup.supervisor.launcher import MODES, build_host
 from apsup.supervisor.process import configure_logs, main_thread, signals
+from apsup.supervisor.startup import check_schema
 from apsup.supervisor.supervisor import Hooks
 from apsup.supervisor.visibility import ScrapeCounter, observe_stall, publish_intervals
 from apsup.workers.exit_codes import ExitCode
@@ -282,7 +283,9 @@ class HostObserver:
             if term is not None:
                 holder, generation = term.holder_id, term.generation
             if generation is not None:
-                self.metrics.set_leadership(sup.key, term is not None, generation)
+                self.metrics.set_leadership(
+                    sup.key, sup.established, generation, lease_held=term is not None
+                )
             entry: SupervisorStatus = {
                 "key": sup.key,
                 "leader": term is not None,
@@ -292,6 +295,8 @@ class HostObserver:
             }
             if self._lease_error is not None:
                 entry["lease_error"] = self._lease_error
+            elif host.startup_error is not None:
+                entry["lease_error"] = host.startup_error
             sups.append(entry)
         self.snapshot = {
             "role": self.role,
@@ -301,24 +306,20 @@ class HostObserver:
         }
 
 
-def _check_schema(backend: SqlBackend) -> None:
-    """Fail fast with a clear message when the schema is missing; transient errors are logged
-    (the loop keeps trying: a standby must not exit because the database is briefly away)."""
+def _check_schema(backend: SqlBackend) -> bool:
+    """Fail fast with a clear message on a configuration error (schema missing or at another
+    revision, credentials refused, no such database); an infrastructure error is logged and
+    returns False: the host runs the check again before its first claim, retrying until the
+    database answers (a standby must not exit because the database is briefly away)."""
     try:
-        backend.lease_rows()
-        with backend.read() as conn:
-            check_revision(conn)  # behind or ahead of this code: exit 2 naming `apsup migrate`
+        check_schema(backend)
     except DBAPIError as exc:
-        text = str(exc.orig).lower()
-        if "no such table" in text or "doesn't exist" in text or "does not exist" in text:
-            raise ConfigError(
-                f"the apsup schema is missing in {backend.describe()}: run `apsup migrate` "
-                "(during maintenance) before starting replicas"
-            ) from None
         log.warning(
             "database check failed at startup; will keep trying",
             extra={"exception_type": type(exc).__name__},
         )
+        return False
+    return True
 
 
 class Runtime:
@@ -407,7 +408,7 @@ class Runtime:
             if self.topology == "api":
                 self._run_api()
             elif self.topology == "processes":
-                backend = open_backend(s.database_url)
+                backend = open_backend(s.database_url, control=True)  # time-limited calls
                 try:
                     _check_schema(backend)
                 finally:
@@ -444,7 +445,7 @@ class Runtime:
     def _run_api(self) -> None:
         """Serve health and metrics; claim nothing, dispatch nothing, start no Workers."""
         s = self.settings
-        backend = open_backend(s.database_url)
+        backend = open_backend(s.database_url, control=True)  # time-limited calls
         try:
             _check_schema(backend)
         finally:
@@ -485,9 +486,9 @@ class Runtime:
         metrics = SupervisorMetrics(families=[f.name for f in families])
         publish_intervals(metrics, families)
         worker_env = s.worker_env(families[0].name) if len(families) == 1 else s.worker_env()
-        backend = open_backend(s.database_url)
+        backend = open_backend(s.database_url, control=True)  # time-limited calls
         try:
-            _check_schema(backend)
+            schema_checked = _check_schema(backend)
         finally:
             backend.dispose()
         relay = WorkerLogRelay()  # Worker logging, print and stderr join this process's log
@@ -504,6 +505,8 @@ class Runtime:
         )
         host = bundle.host
         host.shutdown_drain = s.shutdown_drain_seconds
+        if not schema_checked:  # checked again before the first claim, until it can run
+            host.preflight.insert(0, functools.partial(check_schema, bundle.backend))
         heartbeat = Heartbeat()
         observer = HostObserver(
             role=s.role,
