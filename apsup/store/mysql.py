@@ -19,6 +19,11 @@ Dialect facts this module is built on (DESIGN §6, §7):
   that transaction open. The server aborts it at the bound (4012/6002): nothing of it commits,
   and the waiting candidate proceeds. The variable is session-scoped and set once per connection
   before its first such transaction (``SET`` does not open a transaction there).
+- PyMySQL (1.2) tries TLS on every connection that names no TLS option, and builds a fresh
+  ``ssl.create_default_context()`` for it: loading the system CA store costs ~65 ms of CPU per
+  connection, more than the rest of a Worker's invocation. The same context is built once per
+  process instead (``_PyMySQLConnection``), and the forkserver builds it while warming the engine,
+  so Workers inherit it; the TLS behaviour (attempted, same settings) is unchanged.
 - A control backend (the host's) bounds every call (``apsup.store.limits``): PyMySQL
   connect/read/write timeouts end a half-open connection, and ``ob_query_timeout`` (checked on
   seekdb: error 4012 for a slow statement, 1205 for a lock wait; ``max_execution_time`` is
@@ -28,6 +33,7 @@ Dialect facts this module is built on (DESIGN §6, §7):
 from __future__ import annotations
 
 import math
+import threading
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -65,6 +71,34 @@ def _error_code(exc: DBAPIError) -> int | None:
     if args and isinstance(args[0], int):
         return args[0]
     return None
+
+
+_tls_lock = threading.Lock()
+_preferred_tls: Any = None  # PyMySQL's context for "TLS if the server offers it", once per process
+
+
+def _connection_class() -> Any:
+    """PyMySQL's ``Connection`` with its default TLS context cached per process (see above).
+
+    Only the context PyMySQL builds when the URL names no TLS option is shared; explicit TLS
+    options (``ssl_ca``...) keep a context of their own per connection, exactly as before.
+    """
+    from pymysql.connections import Connection
+
+    if not hasattr(Connection, "_create_ssl_ctx"):  # another PyMySQL: keep its own behaviour
+        return Connection
+
+    class _PyMySQLConnection(Connection):  # type: ignore[misc]
+        def _create_ssl_ctx(self, sslp: Any) -> Any:
+            global _preferred_tls
+            if not (isinstance(sslp, dict) and not sslp):
+                return super()._create_ssl_ctx(sslp)
+            with _tls_lock:
+                if _preferred_tls is None:
+                    _preferred_tls = super()._create_ssl_ctx({})
+                return _preferred_tls
+
+    return _PyMySQLConnection
 
 
 def _statement_limits(oceanbase: bool, seconds: float) -> list[str]:
@@ -111,17 +145,20 @@ class MysqlBackend(SqlBackend):
         )
         self.read_engine = self.engine
 
-        if control:
+        pymysql_class = _connection_class() if self.engine.dialect.driver == "pymysql" else None
 
-            @event.listens_for(self.engine, "do_connect")
-            def _handshake_bound(dialect: Any, rec: Any, cargs: Any, cparams: Any) -> Any:
+        @event.listens_for(self.engine, "do_connect")
+        def _connect(dialect: Any, rec: Any, cargs: Any, cparams: Any) -> Any:
+            if control:
                 # PyMySQL reads the server's greeting under read_timeout: bound the whole
                 # handshake by connect_timeout instead, then restore the statement bound (a
                 # private attribute: PyMySQL has no public setter).
                 cparams["read_timeout"] = limits.connect_timeout
-                conn = dialect.loaded_dbapi.connect(*cargs, **cparams)
+            factory = pymysql_class or dialect.loaded_dbapi.connect
+            conn = factory(*cargs, **cparams)
+            if control:
                 conn._read_timeout = limits.read_timeout
-                return conn
+            return conn
 
         @event.listens_for(self.engine, "connect")
         def _on_connect(dbapi_conn: Any, rec: Any) -> None:
