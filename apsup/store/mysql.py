@@ -32,13 +32,17 @@ Dialect facts this module is built on (DESIGN §6, §7):
 
 from __future__ import annotations
 
+import inspect
 import math
 import threading
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, create_engine, event, text, update
+from sqlalchemy import Connection, Engine, create_engine, event, text, update
 from sqlalchemy.engine import make_url
+from sqlalchemy.engine.default import DefaultDialect
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
 from apsup.errors import ConfigError
@@ -101,6 +105,50 @@ def _connection_class() -> Any:
     return _PyMySQLConnection
 
 
+_TXN_OPEN = "apsup_txn_open"
+
+
+def _skip_needless_reset(engine: Engine) -> None:
+    """Roll a returned connection back only when a transaction may still be open on it.
+
+    The pool's default reset sends a ROLLBACK on every return, even right after the COMMIT that
+    ended the transaction: one wasted round trip per transaction (two per Worker invocation).
+    SQLAlchemy's own transaction events say whether this connection's last transaction ended;
+    anything else (a new checkout not yet used through a ``Connection``, ``raw_connection()``
+    users, an error) counts as possibly open and is rolled back as before. The server's
+    in-transaction status flag cannot be used instead: OceanBase does not set it for a
+    ``SELECT ... FOR UPDATE`` that holds a row lock.
+    """
+
+    def opened(*args: Any) -> None:
+        conn = args[0]
+        if hasattr(conn, "info"):
+            conn.info[_TXN_OPEN] = True
+
+    def ended(conn: Connection, *args: Any) -> None:
+        conn.info[_TXN_OPEN] = False
+
+    def checkout(dbapi_conn: Any, rec: Any, proxy: Any) -> None:
+        rec.info[_TXN_OPEN] = True
+
+    def errored(ctx: Any) -> None:
+        if ctx.connection is not None and not ctx.connection.invalidated:
+            ctx.connection.info[_TXN_OPEN] = True
+
+    def reset(dbapi_conn: Any, rec: Any, state: Any) -> None:
+        if state.transaction_was_reset or not state.asyncio_safe:
+            return  # already rolled back inline / no IO allowed (the pool discards it)
+        if rec.info.get(_TXN_OPEN, True):
+            dbapi_conn.rollback()
+
+    event.listen(engine, "begin", opened)
+    event.listen(engine, "commit", ended)
+    event.listen(engine, "rollback", ended)
+    event.listen(engine, "handle_error", errored)
+    event.listen(engine.pool, "checkout", checkout)
+    event.listen(engine.pool, "reset", reset)
+
+
 def _statement_limits(oceanbase: bool, seconds: float) -> list[str]:
     """Session settings that make the server end a statement (lock waits included)."""
     if oceanbase:
@@ -134,20 +182,47 @@ class MysqlBackend(SqlBackend):
             raise ConfigError(
                 f"database URL parameter {FENCE_TIMEOUT_PARAM} must be a number of seconds"
             ) from None
+        engine_url = strip_limits(u.difference_update_query([FENCE_TIMEOUT_PARAM]))
         self.engine = create_engine(
-            strip_limits(u.difference_update_query([FENCE_TIMEOUT_PARAM])),
+            engine_url,
             connect_args=connect_args,
             isolation_level="READ COMMITTED",
             pool_pre_ping=True,
             pool_recycle=1800,
             pool_size=4,
             max_overflow=8,
+            pool_reset_on_return=None,  # ``_skip_needless_reset``: only when a txn may be open
         )
         self.read_engine = self.engine
+        #: Whether the server is OceanBase: asked once per backend (a forked Worker inherits the
+        #: answer from the forkserver's warm-up instead of asking on its own connection).
+        self._oceanbase: bool | None = None
+        self._instrument(self.engine, control, limits)
+        _skip_needless_reset(self.engine)
+        if control:
+            # The host's reads (request pages, dispatch and exit reads, the clock, the idle
+            # poll) run in autocommit: under READ COMMITTED every statement sees the latest
+            # commits anyway, and a read costs one statement instead of three (statement,
+            # COMMIT, the pool's ROLLBACK on return).
+            read_options: dict[str, Any] = {}
+            if "skip_autocommit_rollback" in inspect.signature(DefaultDialect.__init__).parameters:
+                read_options["skip_autocommit_rollback"] = True
+            self.read_engine = create_engine(
+                engine_url,
+                connect_args=connect_args,
+                isolation_level="AUTOCOMMIT",
+                pool_pre_ping=True,
+                pool_recycle=1800,
+                pool_size=2,
+                max_overflow=4,
+                **read_options,
+            )
+            self._instrument(self.read_engine, control, limits)
 
-        pymysql_class = _connection_class() if self.engine.dialect.driver == "pymysql" else None
+    def _instrument(self, engine: Engine, control: bool, limits: DbLimits) -> None:
+        pymysql_class = _connection_class() if engine.dialect.driver == "pymysql" else None
 
-        @event.listens_for(self.engine, "do_connect")
+        @event.listens_for(engine, "do_connect")
         def _connect(dialect: Any, rec: Any, cargs: Any, cparams: Any) -> Any:
             if control:
                 # PyMySQL reads the server's greeting under read_timeout: bound the whole
@@ -160,25 +235,26 @@ class MysqlBackend(SqlBackend):
                 conn._read_timeout = limits.read_timeout
             return conn
 
-        @event.listens_for(self.engine, "connect")
+        @event.listens_for(engine, "connect")
         def _on_connect(dbapi_conn: Any, rec: Any) -> None:
             # PyMySQL reports "5.7.25" as the server version; VERSION() names OceanBase.
             cur = dbapi_conn.cursor()
             try:
                 cur.execute("SET time_zone = '+00:00'")  # database time is naive UTC
-                cur.execute("SELECT VERSION()")
-                row = cur.fetchone()
-                oceanbase = bool(row) and "oceanbase" in str(row[0]).lower()
-                rec.info["apsup_oceanbase"] = oceanbase
+                if self._oceanbase is None:
+                    cur.execute("SELECT VERSION()")
+                    row = cur.fetchone()
+                    self._oceanbase = bool(row) and "oceanbase" in str(row[0]).lower()
+                rec.info["apsup_oceanbase"] = self._oceanbase
                 query_timeout = self.limits.query_timeout if self.limits else 0
                 if query_timeout > 0:
-                    for statement in _statement_limits(oceanbase, query_timeout):
+                    for statement in _statement_limits(self._oceanbase, query_timeout):
                         cur.execute(statement)
             finally:
                 cur.close()
                 dbapi_conn.rollback()  # leave no implicit transaction open
 
-        @event.listens_for(self.engine, "handle_error")
+        @event.listens_for(engine, "handle_error")
         def _on_error(ctx: Any) -> None:
             # A deadlock (1213) or a server-side transaction abort rolls back the WHOLE
             # transaction, Lease row lock included; if a caller caught it and kept writing on
@@ -189,6 +265,22 @@ class MysqlBackend(SqlBackend):
             if code in TRANSACTION_ABORT_CODES:
                 ctx.is_disconnect = True
                 ctx.invalidate_pool_on_disconnect = False
+
+    def read(self) -> AbstractContextManager[Connection]:
+        if self.read_engine is self.engine:
+            return super().read()
+        return self._autocommit_read()
+
+    @contextmanager
+    def _autocommit_read(self) -> Iterator[Connection]:
+        """A read on the autocommit engine: no BEGIN, no COMMIT, no ROLLBACK on return."""
+        with self.read_engine.connect() as conn:
+            try:
+                yield conn
+            except DBAPIError:
+                if not conn.invalidated:
+                    conn.invalidate()
+                raise
 
     def _bound(self, conn: Connection) -> None:
         """Bound this session's transactions (OceanBase) before the Lease row is locked."""
@@ -208,7 +300,7 @@ class MysqlBackend(SqlBackend):
         return value.replace(tzinfo=None)
 
     def now(self) -> datetime:
-        with self.engine.connect() as conn:
+        with self.read() as conn:
             return self._db_now(conn)
 
     def _lease_expiry(self, conn: Connection, lease_seconds: float) -> datetime | None:
