@@ -63,3 +63,85 @@ def test_explicit_tls_options_keep_their_own_context(backend_name: str, db_url: 
     own = cls._create_ssl_ctx(object.__new__(cls), {"check_hostname": False})
     assert own is not shared
     assert issubclass(cls, Connection)
+
+
+def _lock_free(url: str, key: str) -> bool:
+    """Whether another session can lock the Lease row ``key`` at once (NOWAIT)."""
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(url, isolation_level="READ COMMITTED")
+    try:
+        with engine.connect() as conn, conn.begin():
+            try:
+                conn.execute(
+                    text(
+                        "SELECT holder_id FROM pc_artifact_processing_leases "
+                        "WHERE supervisor_key = :k FOR UPDATE NOWAIT"
+                    ),
+                    {"k": key},
+                ).all()
+            except Exception:
+                return False
+            return True
+    finally:
+        engine.dispose()
+
+
+def test_a_connection_returned_inside_a_transaction_is_still_rolled_back(
+    backend_name: str, db_url: str
+) -> None:
+    """The pool skips its ROLLBACK only after a transaction SQLAlchemy saw end: a DBAPI
+    connection returned with a row lock held (``raw_connection()``) is rolled back as before."""
+    from apsup.store import migrate
+    from apsup.store.leases import GLOBAL_KEY, new_holder_id
+
+    migrate(db_url)
+    backend = open_backend(db_url)
+    try:
+        assert backend.claim_term(GLOBAL_KEY, new_holder_id(), 60) is not None
+        raw = backend.engine.raw_connection()
+        cur = raw.cursor()
+        cur.execute(
+            "SELECT holder_id FROM pc_artifact_processing_leases "
+            "WHERE supervisor_key = %s FOR UPDATE",
+            (GLOBAL_KEY,),
+        )
+        cur.execute(
+            "UPDATE pc_artifact_processing_leases SET holder_id = 'uncommitted' "
+            "WHERE supervisor_key = %s",
+            (GLOBAL_KEY,),
+        )
+        cur.close()
+        assert not _lock_free(db_url, GLOBAL_KEY)  # held by the raw connection
+        raw.close()  # back to the pool, transaction open
+        assert _lock_free(db_url, GLOBAL_KEY)
+        assert [r.holder_id for r in backend.lease_rows()] != ["uncommitted"]
+    finally:
+        backend.dispose()
+
+
+def test_an_idle_pooled_connection_killed_by_the_server_is_replaced(
+    backend_name: str, db_url: str
+) -> None:
+    """Connections used a moment ago are not pinged before use; one idle for longer is, and a
+    dead one is replaced before the caller sees it."""
+    import time
+
+    from sqlalchemy import create_engine, text
+
+    from apsup.store.mysql import PING_AFTER_IDLE_SECONDS
+
+    backend = open_backend(db_url)
+    admin = create_engine(db_url, isolation_level="AUTOCOMMIT")
+    try:
+        with backend.read() as conn:
+            victim = conn.execute(text("SELECT CONNECTION_ID()")).scalar_one()
+        with admin.connect() as conn:
+            conn.execute(text(f"KILL {int(victim)}"))
+        time.sleep(PING_AFTER_IDLE_SECONDS + 0.5)
+        with backend.read() as conn:
+            again = conn.execute(text("SELECT CONNECTION_ID()")).scalar_one()
+        assert again != victim
+    finally:
+        admin.dispose()
+        backend.dispose()

@@ -32,9 +32,11 @@ Dialect facts this module is built on (DESIGN §6, §7):
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime, timedelta
@@ -43,7 +45,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, create_engine, event, text, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.engine.default import DefaultDialect
-from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.exc import DBAPIError, DisconnectionError, IntegrityError
 
 from apsup.errors import ConfigError
 from apsup.store.base import SqlBackend
@@ -106,6 +108,37 @@ def _connection_class() -> Any:
 
 
 _TXN_OPEN = "apsup_txn_open"
+_RETURNED_AT = "apsup_returned_at"
+#: A pooled connection used again within this many seconds is not pinged before use.
+PING_AFTER_IDLE_SECONDS = 1.0
+
+
+def _ping_when_idle(engine: Engine) -> None:
+    """SQLAlchemy's ``pool_pre_ping``, but only for connections idle for a while.
+
+    A pre-ping on every checkout is one more round trip per transaction, paid above all where
+    it protects nothing: a Worker's connection is seconds old, and the host reuses its
+    connections many times a second while it dispatches. A connection idle for longer than
+    ``PING_AFTER_IDLE_SECONDS`` (the server may have restarted, a proxy may have dropped it) is
+    pinged as before; a dead one is replaced before use (``DisconnectionError``, the pool's
+    documented way to retry the checkout with a fresh connection).
+    """
+
+    def checkin(dbapi_conn: Any, rec: Any) -> None:
+        if rec is not None:
+            rec.info[_RETURNED_AT] = time.monotonic()
+
+    def checkout(dbapi_conn: Any, rec: Any, proxy: Any) -> None:
+        returned = rec.info.get(_RETURNED_AT)
+        if returned is None or time.monotonic() - returned < PING_AFTER_IDLE_SECONDS:
+            return  # a fresh connection, or one in use a moment ago
+        try:
+            dbapi_conn.ping(reconnect=False)
+        except Exception as exc:
+            raise DisconnectionError("pooled connection failed its ping") from exc
+
+    event.listen(engine.pool, "checkin", checkin)
+    event.listen(engine.pool, "checkout", checkout)
 
 
 def _skip_needless_reset(engine: Engine) -> None:
@@ -120,20 +153,24 @@ def _skip_needless_reset(engine: Engine) -> None:
     ``SELECT ... FOR UPDATE`` that holds a row lock.
     """
 
-    def opened(*args: Any) -> None:
-        conn = args[0]
-        if hasattr(conn, "info"):
-            conn.info[_TXN_OPEN] = True
+    def mark(conn: Connection | None, value: bool) -> None:
+        if conn is None or conn.invalidated:
+            return  # an invalidated connection is discarded by the pool, never reset
+        # A connection on its way to invalidation refuses ``info``: never mask the real error.
+        with contextlib.suppress(Exception):
+            conn.info[_TXN_OPEN] = value
+
+    def opened(conn: Connection, *args: Any) -> None:
+        mark(conn, True)
 
     def ended(conn: Connection, *args: Any) -> None:
-        conn.info[_TXN_OPEN] = False
+        mark(conn, False)
 
     def checkout(dbapi_conn: Any, rec: Any, proxy: Any) -> None:
         rec.info[_TXN_OPEN] = True
 
     def errored(ctx: Any) -> None:
-        if ctx.connection is not None and not ctx.connection.invalidated:
-            ctx.connection.info[_TXN_OPEN] = True
+        mark(ctx.connection, True)
 
     def reset(dbapi_conn: Any, rec: Any, state: Any) -> None:
         if state.transaction_was_reset or not state.asyncio_safe:
@@ -183,11 +220,12 @@ class MysqlBackend(SqlBackend):
                 f"database URL parameter {FENCE_TIMEOUT_PARAM} must be a number of seconds"
             ) from None
         engine_url = strip_limits(u.difference_update_query([FENCE_TIMEOUT_PARAM]))
+        pymysql = engine_url.get_driver_name() == "pymysql"
         self.engine = create_engine(
             engine_url,
             connect_args=connect_args,
             isolation_level="READ COMMITTED",
-            pool_pre_ping=True,
+            pool_pre_ping=not pymysql,
             pool_recycle=1800,
             pool_size=4,
             max_overflow=8,
@@ -199,6 +237,8 @@ class MysqlBackend(SqlBackend):
         self._oceanbase: bool | None = None
         self._instrument(self.engine, control, limits)
         _skip_needless_reset(self.engine)
+        if pymysql:
+            _ping_when_idle(self.engine)
         if control:
             # The host's reads (request pages, dispatch and exit reads, the clock, the idle
             # poll) run in autocommit: under READ COMMITTED every statement sees the latest
@@ -211,13 +251,15 @@ class MysqlBackend(SqlBackend):
                 engine_url,
                 connect_args=connect_args,
                 isolation_level="AUTOCOMMIT",
-                pool_pre_ping=True,
+                pool_pre_ping=not pymysql,
                 pool_recycle=1800,
                 pool_size=2,
                 max_overflow=4,
                 **read_options,
             )
             self._instrument(self.read_engine, control, limits)
+            if pymysql:
+                _ping_when_idle(self.read_engine)
 
     def _instrument(self, engine: Engine, control: bool, limits: DbLimits) -> None:
         pymysql_class = _connection_class() if engine.dialect.driver == "pymysql" else None
@@ -239,9 +281,11 @@ class MysqlBackend(SqlBackend):
         def _on_connect(dbapi_conn: Any, rec: Any) -> None:
             # PyMySQL reports "5.7.25" as the server version; VERSION() names OceanBase.
             cur = dbapi_conn.cursor()
+            asked = False
             try:
                 cur.execute("SET time_zone = '+00:00'")  # database time is naive UTC
                 if self._oceanbase is None:
+                    asked = True
                     cur.execute("SELECT VERSION()")
                     row = cur.fetchone()
                     self._oceanbase = bool(row) and "oceanbase" in str(row[0]).lower()
@@ -252,7 +296,8 @@ class MysqlBackend(SqlBackend):
                         cur.execute(statement)
             finally:
                 cur.close()
-                dbapi_conn.rollback()  # leave no implicit transaction open
+                if asked:  # a SELECT may open an implicit transaction; SET never does
+                    dbapi_conn.rollback()
 
         @event.listens_for(engine, "handle_error")
         def _on_error(ctx: Any) -> None:
