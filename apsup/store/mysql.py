@@ -19,6 +19,11 @@ Dialect facts this module is built on (DESIGN §6, §7):
   that transaction open. The server aborts it at the bound (4012/6002): nothing of it commits,
   and the waiting candidate proceeds. The variable is session-scoped and set once per connection
   before its first such transaction (``SET`` does not open a transaction there).
+- PyMySQL (1.2) tries TLS on every connection that names no TLS option, and builds a fresh
+  ``ssl.create_default_context()`` for it: loading the system CA store costs ~65 ms of CPU per
+  connection, more than the rest of a Worker's invocation. The same context is built once per
+  process instead (``_PyMySQLConnection``), and the forkserver builds it while warming the engine,
+  so Workers inherit it; the TLS behaviour (attempted, same settings) is unchanged.
 - A control backend (the host's) bounds every call (``apsup.store.limits``): PyMySQL
   connect/read/write timeouts end a half-open connection, and ``ob_query_timeout`` (checked on
   seekdb: error 4012 for a slow statement, 1205 for a lock wait; ``max_execution_time`` is
@@ -27,13 +32,20 @@ Dialect facts this module is built on (DESIGN §6, §7):
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import math
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, create_engine, event, text, update
+from sqlalchemy import Connection, Engine, create_engine, event, text, update
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.engine.default import DefaultDialect
+from sqlalchemy.exc import DBAPIError, DisconnectionError, IntegrityError
 
 from apsup.errors import ConfigError
 from apsup.store.base import SqlBackend
@@ -65,6 +77,113 @@ def _error_code(exc: DBAPIError) -> int | None:
     if args and isinstance(args[0], int):
         return args[0]
     return None
+
+
+_tls_lock = threading.Lock()
+_preferred_tls: Any = None  # PyMySQL's context for "TLS if the server offers it", once per process
+
+
+def _connection_class() -> Any:
+    """PyMySQL's ``Connection`` with its default TLS context cached per process (see above).
+
+    Only the context PyMySQL builds when the URL names no TLS option is shared; explicit TLS
+    options (``ssl_ca``...) keep a context of their own per connection, exactly as before.
+    """
+    from pymysql.connections import Connection
+
+    if not hasattr(Connection, "_create_ssl_ctx"):  # another PyMySQL: keep its own behaviour
+        return Connection
+
+    class _PyMySQLConnection(Connection):  # type: ignore[misc]
+        def _create_ssl_ctx(self, sslp: Any) -> Any:
+            global _preferred_tls
+            if not (isinstance(sslp, dict) and not sslp):
+                return super()._create_ssl_ctx(sslp)
+            with _tls_lock:
+                if _preferred_tls is None:
+                    _preferred_tls = super()._create_ssl_ctx({})
+                return _preferred_tls
+
+    return _PyMySQLConnection
+
+
+_TXN_OPEN = "apsup_txn_open"
+_RETURNED_AT = "apsup_returned_at"
+#: A pooled connection used again within this many seconds is not pinged before use.
+PING_AFTER_IDLE_SECONDS = 1.0
+
+
+def _ping_when_idle(engine: Engine) -> None:
+    """SQLAlchemy's ``pool_pre_ping``, but only for connections idle for a while.
+
+    A pre-ping on every checkout is one more round trip per transaction, paid above all where
+    it protects nothing: a Worker's connection is seconds old, and the host reuses its
+    connections many times a second while it dispatches. A connection idle for longer than
+    ``PING_AFTER_IDLE_SECONDS`` (the server may have restarted, a proxy may have dropped it) is
+    pinged as before; a dead one is replaced before use (``DisconnectionError``, the pool's
+    documented way to retry the checkout with a fresh connection).
+    """
+
+    def checkin(dbapi_conn: Any, rec: Any) -> None:
+        if rec is not None:
+            rec.info[_RETURNED_AT] = time.monotonic()
+
+    def checkout(dbapi_conn: Any, rec: Any, proxy: Any) -> None:
+        returned = rec.info.get(_RETURNED_AT)
+        if returned is None or time.monotonic() - returned < PING_AFTER_IDLE_SECONDS:
+            return  # a fresh connection, or one in use a moment ago
+        try:
+            dbapi_conn.ping(reconnect=False)
+        except Exception as exc:
+            raise DisconnectionError("pooled connection failed its ping") from exc
+
+    event.listen(engine.pool, "checkin", checkin)
+    event.listen(engine.pool, "checkout", checkout)
+
+
+def _skip_needless_reset(engine: Engine) -> None:
+    """Roll a returned connection back only when a transaction may still be open on it.
+
+    The pool's default reset sends a ROLLBACK on every return, even right after the COMMIT that
+    ended the transaction: one wasted round trip per transaction (two per Worker invocation).
+    SQLAlchemy's own transaction events say whether this connection's last transaction ended;
+    anything else (a new checkout not yet used through a ``Connection``, ``raw_connection()``
+    users, an error) counts as possibly open and is rolled back as before. The server's
+    in-transaction status flag cannot be used instead: OceanBase does not set it for a
+    ``SELECT ... FOR UPDATE`` that holds a row lock.
+    """
+
+    def mark(conn: Connection | None, value: bool) -> None:
+        if conn is None or conn.invalidated:
+            return  # an invalidated connection is discarded by the pool, never reset
+        # A connection on its way to invalidation refuses ``info``: never mask the real error.
+        with contextlib.suppress(Exception):
+            conn.info[_TXN_OPEN] = value
+
+    def opened(conn: Connection, *args: Any) -> None:
+        mark(conn, True)
+
+    def ended(conn: Connection, *args: Any) -> None:
+        mark(conn, False)
+
+    def checkout(dbapi_conn: Any, rec: Any, proxy: Any) -> None:
+        rec.info[_TXN_OPEN] = True
+
+    def errored(ctx: Any) -> None:
+        mark(ctx.connection, True)
+
+    def reset(dbapi_conn: Any, rec: Any, state: Any) -> None:
+        if state.transaction_was_reset or not state.asyncio_safe:
+            return  # already rolled back inline / no IO allowed (the pool discards it)
+        if rec.info.get(_TXN_OPEN, True):
+            dbapi_conn.rollback()
+
+    event.listen(engine, "begin", opened)
+    event.listen(engine, "commit", ended)
+    event.listen(engine, "rollback", ended)
+    event.listen(engine, "handle_error", errored)
+    event.listen(engine.pool, "checkout", checkout)
+    event.listen(engine.pool, "reset", reset)
 
 
 def _statement_limits(oceanbase: bool, seconds: float) -> list[str]:
@@ -100,48 +219,87 @@ class MysqlBackend(SqlBackend):
             raise ConfigError(
                 f"database URL parameter {FENCE_TIMEOUT_PARAM} must be a number of seconds"
             ) from None
+        engine_url = strip_limits(u.difference_update_query([FENCE_TIMEOUT_PARAM]))
+        pymysql = engine_url.get_driver_name() == "pymysql"
         self.engine = create_engine(
-            strip_limits(u.difference_update_query([FENCE_TIMEOUT_PARAM])),
+            engine_url,
             connect_args=connect_args,
             isolation_level="READ COMMITTED",
-            pool_pre_ping=True,
+            pool_pre_ping=not pymysql,
             pool_recycle=1800,
             pool_size=4,
             max_overflow=8,
+            pool_reset_on_return=None,  # ``_skip_needless_reset``: only when a txn may be open
         )
         self.read_engine = self.engine
-
+        #: Whether the server is OceanBase: asked once per backend (a forked Worker inherits the
+        #: answer from the forkserver's warm-up instead of asking on its own connection).
+        self._oceanbase: bool | None = None
+        self._instrument(self.engine, control, limits)
+        _skip_needless_reset(self.engine)
+        if pymysql:
+            _ping_when_idle(self.engine)
         if control:
+            # The host's reads (request pages, dispatch and exit reads, the clock, the idle
+            # poll) run in autocommit: under READ COMMITTED every statement sees the latest
+            # commits anyway, and a read costs one statement instead of three (statement,
+            # COMMIT, the pool's ROLLBACK on return).
+            read_options: dict[str, Any] = {}
+            if "skip_autocommit_rollback" in inspect.signature(DefaultDialect.__init__).parameters:
+                read_options["skip_autocommit_rollback"] = True
+            self.read_engine = create_engine(
+                engine_url,
+                connect_args=connect_args,
+                isolation_level="AUTOCOMMIT",
+                pool_pre_ping=not pymysql,
+                pool_recycle=1800,
+                pool_size=2,
+                max_overflow=4,
+                **read_options,
+            )
+            self._instrument(self.read_engine, control, limits)
+            if pymysql:
+                _ping_when_idle(self.read_engine)
 
-            @event.listens_for(self.engine, "do_connect")
-            def _handshake_bound(dialect: Any, rec: Any, cargs: Any, cparams: Any) -> Any:
+    def _instrument(self, engine: Engine, control: bool, limits: DbLimits) -> None:
+        pymysql_class = _connection_class() if engine.dialect.driver == "pymysql" else None
+
+        @event.listens_for(engine, "do_connect")
+        def _connect(dialect: Any, rec: Any, cargs: Any, cparams: Any) -> Any:
+            if control:
                 # PyMySQL reads the server's greeting under read_timeout: bound the whole
                 # handshake by connect_timeout instead, then restore the statement bound (a
                 # private attribute: PyMySQL has no public setter).
                 cparams["read_timeout"] = limits.connect_timeout
-                conn = dialect.loaded_dbapi.connect(*cargs, **cparams)
+            factory = pymysql_class or dialect.loaded_dbapi.connect
+            conn = factory(*cargs, **cparams)
+            if control:
                 conn._read_timeout = limits.read_timeout
-                return conn
+            return conn
 
-        @event.listens_for(self.engine, "connect")
+        @event.listens_for(engine, "connect")
         def _on_connect(dbapi_conn: Any, rec: Any) -> None:
             # PyMySQL reports "5.7.25" as the server version; VERSION() names OceanBase.
             cur = dbapi_conn.cursor()
+            asked = False
             try:
                 cur.execute("SET time_zone = '+00:00'")  # database time is naive UTC
-                cur.execute("SELECT VERSION()")
-                row = cur.fetchone()
-                oceanbase = bool(row) and "oceanbase" in str(row[0]).lower()
-                rec.info["apsup_oceanbase"] = oceanbase
+                if self._oceanbase is None:
+                    asked = True
+                    cur.execute("SELECT VERSION()")
+                    row = cur.fetchone()
+                    self._oceanbase = bool(row) and "oceanbase" in str(row[0]).lower()
+                rec.info["apsup_oceanbase"] = self._oceanbase
                 query_timeout = self.limits.query_timeout if self.limits else 0
                 if query_timeout > 0:
-                    for statement in _statement_limits(oceanbase, query_timeout):
+                    for statement in _statement_limits(self._oceanbase, query_timeout):
                         cur.execute(statement)
             finally:
                 cur.close()
-                dbapi_conn.rollback()  # leave no implicit transaction open
+                if asked:  # a SELECT may open an implicit transaction; SET never does
+                    dbapi_conn.rollback()
 
-        @event.listens_for(self.engine, "handle_error")
+        @event.listens_for(engine, "handle_error")
         def _on_error(ctx: Any) -> None:
             # A deadlock (1213) or a server-side transaction abort rolls back the WHOLE
             # transaction, Lease row lock included; if a caller caught it and kept writing on
@@ -152,6 +310,22 @@ class MysqlBackend(SqlBackend):
             if code in TRANSACTION_ABORT_CODES:
                 ctx.is_disconnect = True
                 ctx.invalidate_pool_on_disconnect = False
+
+    def read(self) -> AbstractContextManager[Connection]:
+        if self.read_engine is self.engine:
+            return super().read()
+        return self._autocommit_read()
+
+    @contextmanager
+    def _autocommit_read(self) -> Iterator[Connection]:
+        """A read on the autocommit engine: no BEGIN, no COMMIT, no ROLLBACK on return."""
+        with self.read_engine.connect() as conn:
+            try:
+                yield conn
+            except DBAPIError:
+                if not conn.invalidated:
+                    conn.invalidate()
+                raise
 
     def _bound(self, conn: Connection) -> None:
         """Bound this session's transactions (OceanBase) before the Lease row is locked."""
@@ -171,7 +345,7 @@ class MysqlBackend(SqlBackend):
         return value.replace(tzinfo=None)
 
     def now(self) -> datetime:
-        with self.engine.connect() as conn:
+        with self.read() as conn:
             return self._db_now(conn)
 
     def _lease_expiry(self, conn: Connection, lease_seconds: float) -> datetime | None:

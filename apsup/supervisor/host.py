@@ -2,9 +2,12 @@
 
 It sleeps until the earliest of: a Worker exit (pool sentinels), a control notification, a
 signal, a schedule/retry deadline, a Worker timeout, and on MySQL the renewal and bounded
-request-polling deadlines. On SQLite it also checks the database files' signature once a second
-(a ``stat``, not a query) to recover wake-ups that never arrived; an idle SQLite host issues no
-database statement (RFC §8). See ``apsup.supervisor.control`` for the wake-up guarantee.
+request-polling deadlines. The MySQL leader's poll for requests committed by other processes is
+adaptive: one statement for all its families every ``POLL_FAST_SECONDS`` while it dispatches,
+backing off to ``POLL_SECONDS`` once idle (docs/wake-ups.md says why). On SQLite it also checks
+the database files' signature once a second (a ``stat``, not a query) to recover wake-ups that
+never arrived; an idle SQLite host issues no database statement (RFC §8). See
+``apsup.supervisor.control`` for the wake-up guarantee.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from types import FrameType
 
 from multiprocess.connection import wait
 
-from apsup.store import SqlBackend
+from apsup.store import SqlBackend, intents
 from apsup.store.leases import ModeConflictError, new_holder_id
 from apsup.supervisor.control import ALL, ControlChannel
 from apsup.supervisor.drain import drain
@@ -39,6 +42,12 @@ ESTABLISH_ATTEMPTS = 5
 #: retried after this delay, doubling up to the cap, for as long as it takes.
 STARTUP_RETRY_INITIAL = 0.2
 STARTUP_RETRY_MAX = 5.0
+#: Elected backends: the request poll runs this often after the last dispatch or Worker exit,
+#: for ``POLL_HOLD_SECONDS``; then each empty poll waits ``POLL_BACKOFF`` times longer than the
+#: previous one, up to ``LeasePolicy.poll_seconds`` (the idle rate).
+POLL_FAST_SECONDS = 0.1
+POLL_HOLD_SECONDS = 3.0
+POLL_BACKOFF = 1.5
 
 
 @dataclass(frozen=True)
@@ -81,6 +90,9 @@ class Host:
         os.set_blocking(self._wake_w, False)
         self._next_renew = 0.0
         self._next_poll = 0.0
+        self._poll_interval = POLL_FAST_SECONDS
+        self._last_activity = time.monotonic()
+        self._activity_mark: tuple[int, int] = (0, 0)
         self._last_renewed: dict[str, float] = {}
         self._control_quiet_until = 0.0
         self._next_watch = 0.0
@@ -284,7 +296,9 @@ class Host:
                     extra={"supervisor_key": sup.key, "exception_type": type(exc).__name__},
                 )
         self._next_renew = time.monotonic() + self.lease.renew_seconds
-        self._next_poll = time.monotonic() + self.lease.poll_seconds
+        self._last_activity = time.monotonic()  # a new term: requests may be waiting already
+        self._poll_interval = min(POLL_FAST_SECONDS, self.lease.poll_seconds)
+        self._next_poll = time.monotonic() + self._poll_interval
 
     def cycle(self, max_wait: float | None = None) -> None:
         """One iteration: act on everything due, then sleep until the next reason to wake.
@@ -299,9 +313,8 @@ class Host:
         if self.control is not None:
             self._guarded("control", self._drain_control)
         if self.elected and now >= self._next_poll:
-            self._next_poll = now + self.lease.poll_seconds
-            for sup in self.supervisors:
-                sup.notify_all()  # bounded polling for cross-process requests
+            self._next_poll = now + self._next_poll_interval(now)
+            self._guarded("poll", self._poll_requests)  # requests committed by other processes
         self._guarded("lease", lambda: self._maintain_leases(now))
         self._guarded("establish", self._establish)
         for sup in self.supervisors:
@@ -309,9 +322,49 @@ class Host:
             until = self._next_renew if self.elected else None
             self._guarded("step", functools.partial(sup.step, until=until))
             self._terminate_workers(sup)  # the step may have found the term stale
+        if self.elected:
+            self._note_activity()
         if self.on_cycle is not None:
             self._guarded("observe", lambda: self.on_cycle(self) if self.on_cycle else None)
         self._sleep(max_wait)
+
+    def _next_poll_interval(self, now: float) -> float:
+        """Fast while recently active, then growing geometrically up to ``poll_seconds``."""
+        fast = min(POLL_FAST_SECONDS, self.lease.poll_seconds)
+        if now - self._last_activity < POLL_HOLD_SECONDS:
+            self._poll_interval = fast
+        else:
+            self._poll_interval = min(self.lease.poll_seconds, self._poll_interval * POLL_BACKOFF)
+        return self._poll_interval
+
+    def _note_activity(self) -> None:
+        """A dispatch or a Worker exit since the last cycle: poll fast again (more requests
+        tend to follow; an idle leader costs ``poll_seconds``' rate only)."""
+        mark = (
+            sum(len(sup.running) for sup in self.supervisors),
+            sum(sum(sup.completed.values()) + sum(sup.failed.values()) for sup in self.supervisors),
+        )
+        if mark == self._activity_mark:
+            return
+        self._activity_mark = mark
+        now = time.monotonic()
+        self._last_activity = now
+        self._poll_interval = min(POLL_FAST_SECONDS, self.lease.poll_seconds)
+        self._next_poll = min(self._next_poll, now + self._poll_interval)
+
+    def _poll_requests(self) -> None:
+        """One indexed statement for every family of the established Supervisors; only the
+        families with a pending request are notified (each then reads its request page)."""
+        sups = [sup for sup in self.supervisors if sup.established]
+        if not sups:
+            return
+        bindings = {fam.binding_name for sup in sups for fam in sup.families.values()}
+        with self.backend.read() as conn:
+            pending = intents.bindings_with_requests(conn, bindings)
+        for sup in sups:
+            for name, fam in sup.families.items():
+                if fam.binding_name in pending:
+                    sup.notify(name)
 
     def _deliver_exits(self) -> None:
         for ex in self.pool.poll():
