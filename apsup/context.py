@@ -292,5 +292,19 @@ class ExecutionContext:
 
     def already_handled(self) -> bool:
         """``handled >= G``: a duplicate invocation that must consume no new input."""
-        with self.backend.read() as conn:
-            return self.handled_generation(conn) >= self.claimed_request_generation
+        handled = self.backend.handled_generation(self.binding_name, self.scope_id)
+        return handled >= self.claimed_request_generation
+
+    def acknowledge_fenced(self) -> bool:
+        """Acknowledge G in a fenced transaction of its own (the wrapper's final step when the
+        processor did not acknowledge): ``with ctx.fenced() as c: ctx.acknowledge(c)`` on the
+        backend's cheapest path. StaleTermError if the term is no longer valid."""
+        moved = self.backend.acknowledge_fenced(
+            self.term,
+            self.binding_name,
+            self.scope_id,
+            self.claimed_request_generation,
+            self.pending_sequence,
+        )
+        self._acknowledged = True  # reached only after COMMIT succeeded
+        return moved

@@ -335,3 +335,51 @@ def test_child_process_commits_from_the_bytes_alone(
     assert code == 3 and "superseded" in report["stale"], report
     assert _handled(backend) == 1
     assert _business(backend) == ["child worker-7"]
+
+
+# -- the wrapper's own duplicate check and acknowledgment (backend fast paths) -----------------
+
+
+def test_wrapper_acknowledgment_moves_g_once(job: ExecutionContext, backend: SqlBackend) -> None:
+    """``acknowledge_fenced`` (the invoke wrapper's final step) = ``fenced() + acknowledge()``:
+    handled := G, then a no-op; the duplicate check sees it."""
+    assert not job.already_handled()
+    assert job.acknowledge_fenced() is True
+    assert job.acknowledged and _handled(backend) == 1
+    assert job.already_handled()
+    assert job.acknowledge_fenced() is False  # already handled: nothing moves, no error
+    assert _handled(backend) == 1
+
+
+def test_wrapper_acknowledgment_is_fenced(job: ExecutionContext, backend: SqlBackend) -> None:
+    _bump(backend, job.supervisor_key)
+    with pytest.raises(StaleTermError, match="superseded"):
+        job.acknowledge_fenced()
+    assert not job.acknowledged and _handled(backend) == 0
+    # The connection went back clean: the next transaction on this database works.
+    with backend.transaction() as conn:
+        intents.request(conn, FAMILY, SCOPE)
+
+
+def test_wrapper_acknowledgment_refuses_another_incarnation(
+    job: ExecutionContext, backend: SqlBackend
+) -> None:
+    """A row deleted and recreated since dispatch has a new pending_sequence: refused, rolled
+    back, and G above the requested generation is refused too."""
+    other = dataclasses.replace(job, pending_sequence=job.pending_sequence + 1000)
+    with pytest.raises(IntentError, match="no longer has the claimed intent row"):
+        other.acknowledge_fenced()
+    above = dataclasses.replace(job, claimed_request_generation=5)
+    with pytest.raises(IntentError, match="above requested"):
+        above.acknowledge_fenced()
+    assert _handled(backend) == 0
+
+
+def test_point_read_matches_the_core_read(job: ExecutionContext, backend: SqlBackend) -> None:
+    """``read_intent`` (the host's dispatch and classification read) returns what
+    ``intents.get`` does, and None for an unknown Scope."""
+    with backend.read() as conn:
+        expected = intents.get(conn, FAMILY, SCOPE)
+    assert expected is not None and backend.read_intent(FAMILY, SCOPE) == expected
+    assert backend.read_intent(FAMILY, "no-such-scope") is None
+    assert backend.handled_generation(FAMILY, SCOPE) == expected.handled_generation == 0

@@ -61,8 +61,7 @@ def run(payload: bytes) -> int:
 
             run_coroutine(_run_async(result))
         if not ctx.acknowledged:
-            with ctx.fenced() as conn:
-                ctx.acknowledge(conn)
+            ctx.acknowledge_fenced()
         return ExitCode.SUCCESS
     except ProgressConflict as exc:
         _say("progress conflict", exc)

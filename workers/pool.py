@@ -30,8 +30,9 @@ Process-global state. ``multiprocess`` keeps one forkserver (and one preload lis
 only one open ``WorkerPool`` may exist per process, and a pool must be created after any fork of
 its owner (the dedicated-mode launcher must fork Supervisors first; each creates its own pool).
 
-Private ``multiprocess`` internals used (pinned ``multiprocess<0.71``): ``Popen._launch`` is
-re-implemented (no ``__main__`` re-import, C pickle, bounded wait for the pid), and the
+Private ``multiprocess`` internals used (pinned ``multiprocess<0.71``): ``Popen._launch`` and
+``connect_to_new_process`` are re-implemented (no ``__main__`` re-import, C pickle, bounded wait
+for the pid, no resource-tracker probe per launch), and the
 forkserver's pid/alive fd are read to detect its death and to stop it (no public stop exists).
 """
 
@@ -44,6 +45,7 @@ import io
 import os
 import pickle
 import signal
+import socket
 import tempfile
 import threading
 import time
@@ -52,7 +54,15 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal
 
-from multiprocess import connection, forkserver, popen_forkserver, spawn, util
+from multiprocess import (
+    connection,
+    forkserver,
+    popen_forkserver,
+    reduction,
+    resource_tracker,
+    spawn,
+    util,
+)
 from multiprocess.context import ForkServerProcess, set_spawning_popen
 
 from apsup.errors import ConfigError
@@ -169,7 +179,7 @@ class _LeanForkServerPopen(popen_forkserver.Popen):  # type: ignore[misc]
             pickler.dump(process_obj)
         finally:
             set_spawning_popen(None)
-        self.sentinel, w = forkserver.connect_to_new_process(self._fds)
+        self.sentinel, w = _connect_to_new_process(self._fds)
         _parent_w = os.dup(w)
         self.finalizer = util.Finalize(self, util.close_fds, (_parent_w, self.sentinel))
         with open(w, "wb", closefd=True) as f:
@@ -179,6 +189,38 @@ class _LeanForkServerPopen(popen_forkserver.Popen):  # type: ignore[misc]
         if not connection.wait([self.sentinel], self.pid_timeout):
             raise ForkServerStuck(f"forkserver did not fork within {self.pid_timeout:g}s")
         self.pid = forkserver.read_signed(self.sentinel)
+
+
+def _connect_to_new_process(fds: list[int]) -> tuple[int, int]:
+    """Upstream ``ForkServer.connect_to_new_process``, minus a probe on every launch.
+
+    Upstream runs ``ensure_running`` per launch, which writes a probe line to multiprocess's
+    resource tracker (waking that process) to check it is alive: 5% of the host loop's CPU.
+    Here both are checked only when the forkserver is not known to be alive, i.e. when this
+    launch (re)starts it; Workers never use the tracker (they create no multiprocess shared
+    memory or semaphores), they only inherit its fd. Returns ``(status_r, data_w)``."""
+    fs = forkserver._forkserver
+    tracker_fd = resource_tracker._resource_tracker._fd
+    if tracker_fd is None or not _is_alive_child(fs._forkserver_pid):
+        fs.ensure_running()
+        tracker_fd = resource_tracker.getfd()
+    if len(fds) + 4 >= forkserver.MAXFDS_TO_SEND:
+        raise ValueError("too many fds")
+    with socket.socket(socket.AF_UNIX) as client:
+        client.connect(fs._forkserver_address)
+        parent_r, child_w = os.pipe()
+        child_r, parent_w = os.pipe()
+        allfds = [child_r, child_w, fs._forkserver_alive_fd, tracker_fd, *fds]
+        try:
+            reduction.sendfds(client, allfds)
+            return parent_r, parent_w
+        except BaseException:
+            os.close(parent_r)
+            os.close(parent_w)
+            raise
+        finally:
+            os.close(child_r)
+            os.close(child_w)
 
 
 class _WorkerProcess(ForkServerProcess):  # type: ignore[misc]
@@ -244,6 +286,17 @@ def _is_alive_child(pid: int | None) -> bool:
         return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
     except ChildProcessError:
         return False
+
+
+def _group_has_members(pgid: int) -> bool:
+    """Whether process group ``pgid`` still has a member (a zombie counts), by signal 0."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _forkserver_died(pid: int | None, settle: float = 1.0) -> bool:
@@ -649,7 +702,11 @@ class WorkerPool:
             # Stragglers in its group (grandchildren that ignored SIGTERM or were simply
             # left behind) die with it; ``_signal_group`` never reaches a reused group.
             self._signal_group(h, signal.SIGKILL, group_only=True)
-            if self.subreaper:
+            if self.subreaper and _group_has_members(h.pid):
+                # Only a group with members left (killed stragglers, zombies included) has
+                # anything to reap; an empty group can never gain one. Registering every
+                # confirmed Worker made each poll() scan all exits of the last 10 s (10% of
+                # the host loop's CPU at ~100 exits/s).
                 self._reap_groups[h.pid] = at + 10.0
         if h.pidfd is not None:
             with contextlib.suppress(OSError):

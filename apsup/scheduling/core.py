@@ -198,6 +198,7 @@ class _RequestPass:
 
     after_sequence: int = 0
     started_at: int | None = None  # notification count when the pass issued its first query
+    paused: bool = False  # its last page stopped at a full ready queue
 
 
 class _Family:
@@ -443,11 +444,16 @@ class Scheduler:
             if scan.ending:
                 return EndScan(f.name, scan.generation)
         requests: Decision | None = None
-        if f.request_pass is not None:
-            # A pass paused by a full ready queue resumes after every dispatch; reading a whole
-            # page each time to keep one row would cost more than the dispatch itself. So: the
-            # free places, plus every key held in memory (ready, running, retry-wait), which the
-            # page may contain and must skip; a page can therefore still fill every free place.
+        resume = f.request_pass is not None and (
+            not f.request_pass.paused or 2 * len(f.ready) <= f.limit
+        )
+        if resume and f.request_pass is not None:
+            # A pass paused by a full ready queue resumes once half of the queue has been
+            # dispatched (still at least max_workers keys ready, by the default limit), not
+            # after every dispatch: one page then refills half the queue, instead of one query
+            # per dispatch under a backlog. It asks for the free places, plus every key held in
+            # memory (ready, running, retry-wait), which the page may contain and must skip; a
+            # page can therefore still fill every free place.
             wanted = f.limit - len(f.ready) + len(f.keys)
             requests = FetchRequests(
                 f.name, f.request_pass.after_sequence, min(f.spec.page_size, wanted)
@@ -576,6 +582,7 @@ class Scheduler:
         if step is None or current is None:
             return
         progressed = False
+        current.paused = False
         for row in sorted(rows, key=lambda r: r.pending_sequence):
             if row.pending_sequence <= current.after_sequence:
                 continue
@@ -584,6 +591,7 @@ class Scheduler:
                 # Busy keys are skipped: a running key's new requests surface at its exit
                 # (more_requested), a waiting key keeps its backoff and reads the latest G later.
                 if not f.has_room():
+                    current.paused = True
                     return  # paused; resume after the last row handled
                 self._enqueue(f, row.scope_id, "request")
             current.after_sequence = row.pending_sequence

@@ -18,6 +18,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
 from apsup.errors import BackendError
+from apsup.store import intents
 from apsup.store.leases import LeaseRow, Term, all_leases, invalidate, read_lease, validate
 
 T = TypeVar("T")
@@ -107,6 +108,28 @@ class SqlBackend:
         with self._txn(self.engine) as conn:
             self._lock_term(conn, term)
             yield conn
+
+    # -- point reads on hot paths: the host's dispatch and exit classification, the Worker
+    # wrapper's duplicate check and acknowledgment -------------------------------------------
+    def read_intent(self, binding: str, scope_id: str) -> intents.Intent | None:
+        """The intent row, read on its own (one snapshot)."""
+        with self.read() as conn:
+            return intents.get(conn, binding, scope_id)
+
+    def handled_generation(self, binding: str, scope_id: str) -> int:
+        """``handled_generation`` of the intent row (0 if there is none), read on its own."""
+        with self.read() as conn:
+            row = intents.get(conn, binding, scope_id)
+        return 0 if row is None else row.handled_generation
+
+    def acknowledge_fenced(
+        self, term: Term, binding: str, scope_id: str, generation: int, pending_sequence: int
+    ) -> bool:
+        """A fenced transaction that only acknowledges ``generation`` (``intents.acknowledge``):
+        True if it moved, False if already handled; StaleTermError if ``term`` is no longer
+        valid. Backends may run it more cheaply, never with weaker guarantees."""
+        with self.fenced(term) as conn:
+            return intents.acknowledge(conn, binding, scope_id, generation, pending_sequence)
 
     def _retrying(self, body: Callable[[], T]) -> T:
         delay = 0.02

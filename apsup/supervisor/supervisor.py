@@ -480,8 +480,7 @@ class Supervisor:
         core, term = self.core, self.term
         assert core is not None and term is not None
         fam = self.families[d.family]
-        with self.backend.read() as conn:
-            row = intents.get(conn, fam.binding_name, d.scope_id)
+        row = self.backend.read_intent(fam.binding_name, d.scope_id)
         if row is None or row.handled_generation >= row.requested_generation:
             # handled >= G: acknowledge completion without running (RFC §5).
             core.on_dispatched(d.family, d.scope_id, False, token=d.token)
@@ -551,8 +550,7 @@ class Supervisor:
             return
         fam = inv.family
         try:
-            with self.backend.read() as conn:
-                row = intents.get(conn, fam.binding_name, inv.scope_id)
+            row = self.backend.read_intent(fam.binding_name, inv.scope_id)
         except Exception as exc:
             pending = self.unclassified.get(ex.worker_id)
             attempts = 1 if pending is None else pending.attempts + 1

@@ -150,6 +150,7 @@ MUTANTS: dict[str, tuple[list[tuple[str, str]], str]] = {
         [
             ("            if not f.has_room():\n                return None\n", ""),
             ("min(f.spec.page_size, wanted)", "f.spec.page_size"),  # the page's own clamp
+            ("not f.request_pass.paused or 2 * len(f.ready) <= f.limit", "True"),  # refill gate
         ],
         r"capacity|without going idle",
     ),
