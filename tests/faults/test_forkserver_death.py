@@ -64,6 +64,8 @@ def test_forkserver_kill_does_not_strand_running_workers(hosts, store):
     host.run_until(
         lambda: handled(store, fam, "ok.c") and handled(store, fam, "ok.d"), "new keys run"
     )
+    # Handled means acknowledged; the exit is confirmed a little later.
+    host.run_until(lambda: not host.supervisor.running, "the new keys' exits are confirmed")
     host.cycle()
     status = observer.status()["supervisors"][0]["families"][fam.name]
     assert status["unconfirmed"] == 0 and status["running"] == 0
