@@ -118,10 +118,15 @@ def _draw(ax, plot: Plot, columns: Sequence[str], rows: Sequence[Sequence[Cell]]
                 pts = [(a, b) for a, b in pts if a is not None and b is not None]
                 name = " ".join(p for p in (g, y if len(plot.y) > 1 else "") if p)
                 ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", label=name or None)
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    plain = FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 1 else f"{v:g}")
     if plot.logx:
         ax.set_xscale("log")
     if plot.logy:
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(plain)  # 20, not 2x10^1
+        ax.yaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel(plot.xlabel)
     ax.set_ylabel(plot.ylabel)
     if plot.title:
