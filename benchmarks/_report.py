@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,7 +156,8 @@ def write_plot(
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.6), squeeze=False)
     for ax, panel in zip(axes[0], panels, strict=True):
         _draw(ax, panel, columns, rows)
-    fig.suptitle(title, fontsize=11)
+    # A title wider than the figure is cut off: wrap it to the figure's width.
+    fig.suptitle(textwrap.fill(title, width=int(10 * 5.2 * len(panels))), fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import importlib.util
+import json
 import os
 import secrets
 import statistics
@@ -38,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -611,7 +612,11 @@ def main(argv: list[str] | None = None) -> int:
             ],
         ),
     )
-    print(f"written {path}", file=sys.stderr)
+    raw = path.with_suffix(".json")  # every run of every round, for re-plotting or checking
+    raw.write_text(
+        json.dumps([asdict(r) for runs in results.values() for r in runs], indent=1) + "\n"
+    )
+    print(f"written {path} and {raw.name}", file=sys.stderr)
     return 0
 
 
