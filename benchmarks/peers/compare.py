@@ -199,6 +199,35 @@ def postgres_up(url: str) -> bool:
         return False
 
 
+def server_settings(redis_url: str, pg_url: str, systems: list[str]) -> list[str]:
+    """The durability settings the servers actually ran with (the notes above assume
+    setup.sh's: Redis appendonly + appendfsync everysec, PostgreSQL defaults)."""
+    lines = []
+    if any(SYSTEMS[s][1] == "redis" for s in systems):
+        try:
+            import redis
+
+            r = redis.Redis.from_url(redis_url, socket_timeout=2, decode_responses=True)
+            conf = {**r.config_get("appendonly"), **r.config_get("appendfsync")}
+            conf.update(r.config_get("save"))
+            lines.append("Redis " + ", ".join(f"{k}={v!r}" for k, v in sorted(conf.items())))
+        except Exception as exc:
+            lines.append(f"Redis settings unreadable ({type(exc).__name__})")
+    if any(SYSTEMS[s][1] == "postgres" for s in systems):
+        try:
+            import psycopg
+
+            with psycopg.connect(pg_url, connect_timeout=3) as conn:
+                got = [
+                    f"{k}={conn.execute(f'SHOW {k}').fetchone()[0]}"  # type: ignore[index]
+                    for k in ("fsync", "synchronous_commit", "wal_sync_method")
+                ]
+            lines.append("PostgreSQL " + ", ".join(got))
+        except Exception as exc:
+            lines.append(f"PostgreSQL settings unreadable ({type(exc).__name__})")
+    return lines
+
+
 def fresh_mysql_db(server: str) -> tuple[str, str]:
     from sqlalchemy import create_engine, text
     from sqlalchemy.engine import make_url
@@ -541,7 +570,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{'met' if r >= 20 else 'NOT met'}"
             )
 
+    settings = server_settings(args.redis, args.postgres, systems)
     durability = [f"{name}: {HOW[name]}; {SYSTEMS[name][2]}" for name in systems]
+    durability += [f"settings read from the servers: {line}" for line in settings]
     cpu_scope = (
         "CPU ms/task: driver + workers + their children over the measured window; "
         "+ server: "
