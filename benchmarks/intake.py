@@ -18,7 +18,7 @@ The target is >= 20,000 intents/s for ``request_many`` on SQLite in one transact
 
 ``--mysql`` (default: ``$APSUP_TEST_MYSQL_URL``) adds the same runs on a MySQL/OceanBase server:
 a fresh database is created on it for the run and dropped afterwards. The table is printed and
-written as Markdown to ``--out``.
+written as Markdown to ``--out``, with a bar plot beside it (same name, ``.png``).
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ from sqlalchemy.engine import make_url
 import apsup
 from apsup.registry import Family, Registry, family
 from apsup.store import migrate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import Plot, write_results
 
 MODES = ("request/txn", "request batched", "request_many")
 
@@ -122,37 +125,42 @@ def measure(url: str, counts: dict[str, int], rounds: int) -> dict[tuple[str, st
     return times
 
 
+COLUMNS = [
+    "backend",
+    "mode",
+    "Scopes",
+    "intents/s (new)",
+    "µs/intent (new)",
+    "intents/s (existing)",
+    "µs/intent (existing)",
+]
+
+
 def table(
     backend: str, counts: dict[str, int], times: dict[tuple[str, str], list[float]]
-) -> tuple[list[str], dict[str, float]]:
-    lines = [
-        f"### {backend}",
-        "",
-        "| mode | Scopes | intents/s (new) | µs/intent (new) | intents/s (existing) "
-        "| µs/intent (existing) |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
+) -> tuple[list[list[str | int | float | None]], list[str], dict[str, float]]:
+    """Rows for the results table, ratio notes, and intents/s by ``"<mode> <phase>"``."""
+    rows: list[list[str | int | float | None]] = []
     rates: dict[str, float] = {}
     for mode in MODES:
-        cells = [mode, f"{counts[mode]:,}"]
+        cells: list[str | int | float | None] = [backend, mode, counts[mode]]
         for phase in ("new", "existing"):
             seconds = statistics.median(times[(mode, phase)])
             rate = counts[mode] / seconds
             rates[f"{mode} {phase}"] = rate
-            cells += [f"{rate:,.0f}", f"{seconds / counts[mode] * 1e6:,.1f}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    lines.append("")
+            cells += [round(rate), seconds / counts[mode] * 1e6]
+        rows.append(cells)
+    notes = []
     for phase in ("new", "existing"):
         many = rates[f"request_many {phase}"]
         one = rates[f"request/txn {phase}"]
         batch = rates[f"request batched {phase}"]
-        lines.append(
-            f"- {phase} Scopes: request_many / batched request = {many / batch:.1f}x, "
+        notes.append(
+            f"{backend}, {phase} Scopes: request_many / batched request = {many / batch:.1f}x, "
             f"request_many / request per transaction = {many / one:.1f}x, "
             f"batched / per transaction = {batch / one:.1f}x"
         )
-    lines.append("")
-    return lines, rates
+    return rows, notes, rates
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,35 +186,47 @@ def main(argv: list[str] | None = None) -> int:
         "request_many": args.bulk,
     }
 
-    report = [
-        "# Intake throughput (`benchmarks/intake.py`)",
-        "",
+    intro = (
         f"{os.cpu_count()} CPUs, Python {platform.python_version()}, SQLite "
         f"{sqlite3.sqlite_version}, load average {os.getloadavg()[0]:.1f} at the start; "
         f"median of {args.rounds} interleaved rounds; "
-        "engine `apsup.connect(url)` (SQLite: WAL, synchronous=FULL, BEGIN IMMEDIATE).",
-        "",
-    ]
-    verdicts = []
+        "engine `apsup.connect(url)` (SQLite: WAL, synchronous=FULL, BEGIN IMMEDIATE)."
+    )
     with sqlite_url() as url:
-        lines, rates = table("SQLite", counts, measure(url, counts, args.rounds))
-    report += lines
+        rows, notes, rates = table("SQLite", counts, measure(url, counts, args.rounds))
     many = rates["request_many new"]
-    verdicts.append(
-        f"- target: request_many on SQLite in one transaction >= 20,000 intents/s: "
+    verdict = (
+        f"target: request_many on SQLite in one transaction >= 20,000 intents/s: "
         f"{many:,.0f} (new Scopes), {rates['request_many existing']:,.0f} (existing): "
         f"{'met' if min(many, rates['request_many existing']) >= 20000 else 'NOT met'}"
     )
     if args.mysql:
         with mysql_url(args.mysql) as url:
-            lines, _ = table("MySQL/OceanBase", counts, measure(url, counts, args.rounds))
-        report += lines
-    report += ["## Verdict", "", *verdicts, ""]
-    text_out = "\n".join(report)
-    print(text_out)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text_out)
-    print(f"written to {args.out}", file=sys.stderr)
+            more, more_notes, _ = table(
+                "MySQL/OceanBase", counts, measure(url, counts, args.rounds)
+            )
+        rows += more
+        notes += more_notes
+    path = write_results(
+        args.out.stem,
+        "Intake throughput (`benchmarks/intake.py`)",
+        COLUMNS,
+        rows,
+        intro=intro,
+        notes=[verdict, *notes],
+        directory=args.out.parent,
+        plot=Plot(
+            x="mode",
+            y=["intents/s (new)", "intents/s (existing)"],
+            series="backend",
+            kind="bar",
+            logy=True,
+            xlabel="how intents are published",
+            ylabel="intents/s (log scale)",
+        ),
+    )
+    print(path.read_text())
+    print(f"written to {path}", file=sys.stderr)
     return 0
 
 

@@ -28,6 +28,9 @@ from multiprocess.connection import wait
 from apsup.workers import WorkerPool
 from apsup.workers.child import main as child_main
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import Plot, context_line, write_results
+
 FAMILY_MODULE = "apsup_bench_family"
 FAMILY_SOURCE = '''"""Stand-in family module for benchmarks/launch.py."""
 import orjson  # noqa: F401
@@ -158,7 +161,56 @@ def main() -> None:
             f"conc {level}: forkserver+preload is {fs.per_second / sp.per_second:.1f}x the "
             f"launches/s of spawn, {sp.mean_ms / fs.mean_ms:.1f}x lower mean latency"
         )
-    print(f"total benchmark time {time.perf_counter() - t_start:.1f} s")
+    total = time.perf_counter() - t_start
+    print(f"total benchmark time {total:.1f} s")
+    notes = []
+    for level in levels:
+        fs = next(r for r in results if r.mode == "forkserver+preload" and r.concurrency == level)
+        sp = next(r for r in results if r.mode == "spawn" and r.concurrency == level)
+        notes.append(
+            f"{level} in flight: forkserver+preload {fs.per_second / sp.per_second:.1f}x the "
+            f"launches/s of spawn, {sp.mean_ms / fs.mean_ms:.1f}x lower mean latency"
+        )
+    path = write_results(
+        "launch",
+        "Worker launch cost: forkserver + preload vs spawn (`benchmarks/launch.py`)",
+        ["mode", "in flight", "launches", "launches/s", "mean ms", "p50 ms", "p95 ms"],
+        [
+            [
+                r.mode,
+                r.concurrency,
+                r.launches,
+                r.per_second,
+                r.mean_ms,
+                r.pct_ms(0.5),
+                r.pct_ms(0.95),
+            ]
+            for r in results
+        ],
+        intro=f"{context_line()} at the end, {load_before} before; launch -> confirmed "
+        "exit of a no-op target importing sqlalchemy and orjson; pool startup incl. preload "
+        f"probe {startup * 1000:.0f} ms; {total:.0f} s in all.",
+        notes=notes,
+        plot=Plot(
+            x="in flight",
+            y=["launches/s"],
+            series="mode",
+            xlabel="Workers in flight",
+            ylabel="launches/s",
+            logy=True,
+            extra=[
+                Plot(
+                    x="in flight",
+                    y=["p50 ms"],
+                    series="mode",
+                    xlabel="Workers in flight",
+                    ylabel="launch -> exit p50 (ms)",
+                    logy=True,
+                )
+            ],
+        ),
+    )
+    print(f"written to {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":
