@@ -196,3 +196,14 @@ def write_results(
         parts += [block.rstrip(), ""]
     md.write_text("\n".join(parts))
     return md
+
+
+def attach_plot(
+    md: Path, title: str, columns: Sequence[str], rows: Sequence[Sequence[Cell]], plot: Plot
+) -> None:
+    """Draw ``<md stem>.png`` beside a Markdown file a script wrote itself, and link it there.
+
+    For benchmarks whose Markdown is richer than one table (dispatch.py, mysql.py)."""
+    png = md.with_suffix(".png")
+    if write_plot(png, title, columns, rows, plot):
+        md.write_text(md.read_text().rstrip("\n") + f"\n\n![{title}]({png.name})\n")

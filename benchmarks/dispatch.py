@@ -501,6 +501,32 @@ def render_markdown(
     return "\n".join(out) + "\n"
 
 
+def plot_results(md: Path, rows: list[dict[str, object]]) -> None:
+    """Invocations/s and CPU per invocation against Workers, one line per measurement."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _report import Plot, attach_plot
+
+    columns = ["measurement", "Workers", "invocations/s", "CPU ms/invocation"]
+    table = [[r["measurement"], r["workers"], r["per_s"], r["cpu_ms"]] for r in rows]
+    plot = Plot(
+        x="Workers",
+        y=["invocations/s"],
+        series="measurement",
+        xlabel="Workers",
+        ylabel="invocations/s",
+        extra=[
+            Plot(
+                x="Workers",
+                y=["CPU ms/invocation"],
+                series="measurement",
+                xlabel="Workers",
+                ylabel="CPU ms per invocation (all processes)",
+            )
+        ],
+    )
+    attach_plot(md, "Dispatch throughput and CPU per invocation", columns, table, plot)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=300, help="invocations per measurement")
@@ -560,6 +586,7 @@ def main(argv: list[str] | None = None) -> int:
     if str(args.out) != "-":
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(render_markdown(rows, summary, phases, setting))
+        plot_results(args.out, rows)
         print(f"\nwritten: {args.out}")
     print(f"total benchmark time: {time.perf_counter() - started:.0f} s")
     return 0

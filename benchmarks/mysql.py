@@ -459,7 +459,41 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text_out)
+        plot_results(Path(args.out), runs)
     return 0
+
+
+def plot_results(md: Path, runs: list[Drain]) -> None:
+    """Median drain rate and CPU per task against Workers, one line per backend."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _report import Plot, attach_plot
+
+    table = []
+    for backend in sorted({r.backend for r in runs}):
+        for workers in sorted({r.workers for r in runs}):
+            same = [r for r in runs if r.backend == backend and r.workers == workers]
+            if same:
+                rate = statistics.median(r.rate for r in same)
+                cpu = statistics.median(r.cpu_ms for r in same)
+                table.append([backend, workers, rate, cpu])
+    columns = ["backend", "Workers", "tasks/s", "CPU ms/task"]
+    plot = Plot(
+        x="Workers",
+        y=["tasks/s"],
+        series="backend",
+        xlabel="Workers",
+        ylabel="drained tasks/s (median)",
+        extra=[
+            Plot(
+                x="Workers",
+                y=["CPU ms/task"],
+                series="backend",
+                xlabel="Workers",
+                ylabel="CPU ms per task (incl. server)",
+            )
+        ],
+    )
+    attach_plot(md, "Drain: MySQL/OceanBase against SQLite", columns, table, plot)
 
 
 def report(
