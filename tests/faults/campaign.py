@@ -213,8 +213,10 @@ class Nemesis:
     def blip(self) -> None:
         self.counts["blip"] += 1
         if self.proxy is not None and self.rng.random() < 0.3:
+            self.counts["blip_reset"] += 1
             self.proxy.drop()  # an instant reset of every connection
             return
+        self.counts["blip_outage"] += 1  # MySQL: a short black hole; SQLite: the write lock held
         self._outage(self.rng.uniform(0.2, 5.0))
 
     def long_outage(self) -> None:
