@@ -52,12 +52,26 @@ def _stat(pid: int) -> tuple[int, int] | None:
     return int(fields[1]), int(fields[2])
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read()
+    except OSError:
+        return b""
+
+
 def forkserver_of(replica: Replica) -> int | None:
     """The replica's forkserver: its direct child in the replica's own process group (Workers
-    lead their own groups)."""
+    lead their own groups) that runs ``multiprocess.forkserver``; the resource tracker is such
+    a child too, and killing it instead would be a different fault."""
     for pid in descendants(replica.pid):
         st = _stat(pid)
-        if st is not None and st[0] == replica.pid and st[1] == replica.pid:
+        if (
+            st is not None
+            and st[0] == replica.pid
+            and st[1] == replica.pid
+            and b"forkserver" in _cmdline(pid)
+        ):
             return pid
     return None
 
