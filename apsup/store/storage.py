@@ -3,6 +3,14 @@
 These are an infrastructure condition, not a processor's failure: every Scope would fail the
 same way until space or the volume comes back. The Supervisor therefore reports them at host
 level (readiness, log, metric) and retries without growing any Scope's backoff.
+
+What the MySQL-compatible test server (seekdb 1.4) does when its volume is really full: it
+does not answer with a disk-full error. Writes succeed until its current 64 MiB redo block is
+used up; then every write ends in a statement timeout (4012), and writes kept timing out for as
+long as we watched (90 s) after space returned, until the server was restarted. A timeout does
+not name its cause, so that outage is handled like any other database outage (lease expiry,
+ordinary retries), not as a storage condition; the codes below are those of servers that do
+report the condition.
 """
 
 from __future__ import annotations

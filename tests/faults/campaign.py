@@ -52,12 +52,26 @@ def _stat(pid: int) -> tuple[int, int] | None:
     return int(fields[1]), int(fields[2])
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read()
+    except OSError:
+        return b""
+
+
 def forkserver_of(replica: Replica) -> int | None:
     """The replica's forkserver: its direct child in the replica's own process group (Workers
-    lead their own groups)."""
+    lead their own groups) that runs ``multiprocess.forkserver``; the resource tracker is such
+    a child too, and killing it instead would be a different fault."""
     for pid in descendants(replica.pid):
         st = _stat(pid)
-        if st is not None and st[0] == replica.pid and st[1] == replica.pid:
+        if (
+            st is not None
+            and st[0] == replica.pid
+            and st[1] == replica.pid
+            and b"forkserver" in _cmdline(pid)
+        ):
             return pid
     return None
 
@@ -213,8 +227,10 @@ class Nemesis:
     def blip(self) -> None:
         self.counts["blip"] += 1
         if self.proxy is not None and self.rng.random() < 0.3:
+            self.counts["blip_reset"] += 1
             self.proxy.drop()  # an instant reset of every connection
             return
+        self.counts["blip_outage"] += 1  # MySQL: a short black hole; SQLite: the write lock held
         self._outage(self.rng.uniform(0.2, 5.0))
 
     def long_outage(self) -> None:

@@ -23,7 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import select
 
+from apsup.store import intents
 from tests.faults.campaign import Nemesis, ProxiedCluster, RequestStream, Sample, Sampler
 from tests.faults.proxy import FaultProxy
 from tests.faults.sqlite_faults import small_tmpfs
@@ -62,6 +64,21 @@ def _keep_logs(cluster: Cluster, backend_name: str) -> None:
     for r in cluster.replicas:
         with contextlib.suppress(OSError):
             shutil.copy(r.log_path, dest / r.log_path.name)
+
+
+def handled_requests(cluster: Cluster) -> int:
+    """How many accepted requests (journal rows) are acknowledged: G <= the Scope's handled G."""
+    with cluster.backend.read() as conn:
+        rows = conn.execute(
+            select(families.accepted.c.family, families.accepted.c.scope_id, families.accepted.c.g)
+        ).all()
+        handled: dict[tuple[str, str], int] = {}
+        for fam_name, scope, _g in rows:
+            if (fam_name, scope) not in handled:
+                binding = families.registry.get(fam_name).binding_name
+                row = intents.get(conn, binding, scope)
+                handled[fam_name, scope] = 0 if row is None else int(row.handled_generation)
+    return sum(1 for fam_name, scope, g in rows if int(g) <= handled[fam_name, scope])
 
 
 def zombies(samples: Iterable[Sample], journal: Iterable[Any]) -> list[str]:
@@ -137,11 +154,8 @@ def _campaign(stack: contextlib.ExitStack, db_url: str, backend_name: str, tmp_p
         sampler.join(30)
         journal = cluster.journal()
         commits = sum(1 for r in journal if r.kind == "commit")
-        exited = [
-            f"{r.name} (exit {r.proc.returncode}):\n{r.log_tail(30)}"
-            for r in cluster.replicas
-            if not r.alive() and r.name not in nemesis.killed
-        ]
+        unkilled = [r for r in cluster.replicas if not r.alive() and r.name not in nemesis.killed]
+        exited = [f"{r.name} (exit {r.proc.returncode}):\n{r.log_tail(30)}" for r in unkilled]
         ready_leading = sum(1 for s in sampler.samples if s.status == "ok" and s.leader)
         _keep_logs(cluster, backend_name)
         _figures(
@@ -152,6 +166,7 @@ def _campaign(stack: contextlib.ExitStack, db_url: str, backend_name: str, tmp_p
                 "proxy": dict(proxy.counts) if proxy else None,
                 "requests_accepted": stream.accepted,
                 "requests_refused": stream.refused,
+                "requests_handled": handled_requests(cluster),
                 "commits": commits,
                 "takeovers_observed": sampler.takeovers,
                 "readiness_samples": len(sampler.samples),
@@ -159,6 +174,9 @@ def _campaign(stack: contextlib.ExitStack, db_url: str, backend_name: str, tmp_p
                 "sampler_errors": dict(sampler.errors),
                 "hosts_started": len(cluster.replicas),
                 "hosts_exited_unkilled": len(exited),
+                "host_exits_not_by_nemesis": [f"{r.name}: {r.proc.returncode}" for r in unkilled],
+                "host_start_failures": list(nemesis.start_failures),
+                "zombie_terms": zombies(sampler.samples, journal),
                 "disk_full_volume": volume is not None,
                 "catch_up_seconds": None if recovery is None else round(recovery, 2),
                 "unhandled_after_bound": len(unhandled),
