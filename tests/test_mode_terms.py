@@ -87,7 +87,12 @@ def test_a_sqlite_host_start_invalidates_every_earlier_term(tmp_path: Path) -> N
         gone = backend.claim_term(dedicated_key("retired-family"), "old-holder", 0)
         assert gone is not None
         bundle = build_host(url, list(families.registry), mode="dedicated")
-        bundle.close()
+        try:
+            bundle.host.start()  # SQLite claims (bumps) its terms when the host starts
+            assert all(sup.term is not None for sup in bundle.host.supervisors)
+            bundle.host.shutdown()
+        finally:
+            bundle.close()
         with pytest.raises(StaleTermError):
             backend.run_fenced(gone, lambda conn: None)
     finally:
