@@ -519,6 +519,17 @@ def test_backoff_doubles_from_30s_to_a_1800s_cap_with_jitter_and_no_retry_limit(
         Backoff(jitter=1.5)
 
 
+def test_startup_and_establish_retries_stay_capped_through_a_long_outage() -> None:
+    """A database down for hours at startup fails the retry thousands of times: the delay stays
+    at its cap (``0.2 * 2**1100`` would overflow a float and end the host)."""
+    from apsup.supervisor.host import STARTUP_BACKOFF
+    from apsup.supervisor.supervisor import ESTABLISH_BACKOFF
+
+    for backoff in (STARTUP_BACKOFF, ESTABLISH_BACKOFF):
+        assert [backoff.delay(n) for n in (1, 2, 3)] == [0.2, 0.4, 0.8]
+        assert backoff.delay(5_000) == 5.0
+
+
 def test_failure_and_timeout_enter_retry_wait_with_exponential_backoff() -> None:
     s = make(spec(), backoff=Backoff(jitter=0))
     finish_request_pass(s, "a", rows("x"))

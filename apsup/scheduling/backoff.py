@@ -29,10 +29,13 @@ class Backoff:
         if not 0 <= self.jitter < 1:
             raise ConfigError(f"invalid backoff jitter {self.jitter!r}: need 0 <= jitter < 1")
 
-    def delay(self, failures: int, rng: random.Random) -> float:
-        """Seconds to wait after the ``failures``-th consecutive failure (``failures >= 1``)."""
+    def delay(self, failures: int, rng: random.Random | None = None) -> float:
+        """Seconds to wait after the ``failures``-th consecutive failure (``failures >= 1``);
+        without ``rng`` (a single waiter, nothing to spread out) the delay has no jitter."""
         if failures < 1:
             raise ValueError(f"failures must be >= 1, got {failures}")
         exponent = min(failures - 1, 64)  # the cap is reached long before; avoids overflow
         raw = min(self.cap, self.base * self.factor**exponent)
+        if rng is None:
+            return raw
         return raw * rng.uniform(1 - self.jitter, 1 + self.jitter)

@@ -25,6 +25,7 @@ from types import FrameType
 
 from multiprocess.connection import wait
 
+from apsup.scheduling import Backoff
 from apsup.store import SqlBackend, intents
 from apsup.store.leases import ModeConflictError, new_holder_id
 from apsup.supervisor.control import ALL, ControlChannel
@@ -42,6 +43,7 @@ ESTABLISH_ATTEMPTS = 5
 #: retried after this delay, doubling up to the cap, for as long as it takes.
 STARTUP_RETRY_INITIAL = 0.2
 STARTUP_RETRY_MAX = 5.0
+STARTUP_BACKOFF = Backoff(base=STARTUP_RETRY_INITIAL, cap=STARTUP_RETRY_MAX, jitter=0.0)
 #: Elected backends: the request poll runs this often after the last dispatch or Worker exit,
 #: for ``POLL_HOLD_SECONDS``; then each empty poll waits ``POLL_BACKOFF`` times longer than the
 #: previous one, up to ``LeasePolicy.poll_seconds`` (the idle rate).
@@ -257,9 +259,7 @@ class Host:
             if problem is not None:
                 raise problem from (None if problem is exc else exc)
             self._startup_failures += 1
-            delay = min(
-                STARTUP_RETRY_MAX, STARTUP_RETRY_INITIAL * 2 ** (self._startup_failures - 1)
-            )
+            delay = STARTUP_BACKOFF.delay(self._startup_failures)
             self._next_startup = time.monotonic() + delay
             self.startup_error = f"starting: {stage} failed ({type(exc).__name__})"
             log.warning(

@@ -50,6 +50,7 @@ log = logging.getLogger("apsup.supervisor")
 #: A failed term establishment is retried after this delay, doubling up to the cap.
 ESTABLISH_RETRY_INITIAL = 0.2
 ESTABLISH_RETRY_MAX = 5.0
+ESTABLISH_BACKOFF = Backoff(base=ESTABLISH_RETRY_INITIAL, cap=ESTABLISH_RETRY_MAX, jitter=0.0)
 #: Reconciliation runs pages for at most this long per loop iteration, then gives the loop back
 #: (Lease renewal, Worker exits, other families) and resumes from its last token.
 RECONCILE_SLICE_SECONDS = 0.2
@@ -226,9 +227,7 @@ class Supervisor:
             return False
         except Exception as exc:
             self.establish_failures += 1
-            delay = min(
-                ESTABLISH_RETRY_MAX, ESTABLISH_RETRY_INITIAL * 2 ** (self.establish_failures - 1)
-            )
+            delay = ESTABLISH_BACKOFF.delay(self.establish_failures)
             self._establish_due = time.monotonic() + delay
             self.establish_error = f"term not established ({stage}: {type(exc).__name__})"
             log.error(
