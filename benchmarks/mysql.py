@@ -30,7 +30,6 @@ import argparse
 import os
 import platform
 import random
-import secrets
 import statistics
 import subprocess
 import sys
@@ -41,6 +40,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from intake import mysql_url
 
 REPO = Path(__file__).resolve().parent.parent
 FAMILY_MODULE = "apsup_bench_mysql_family"
@@ -186,30 +188,11 @@ def own_cpu() -> float:
 
 
 @contextmanager
-def mysql_database(server: str) -> Iterator[str]:
-    from sqlalchemy import create_engine, text
-    from sqlalchemy.engine import make_url
-
-    name = f"apsup_bench_{secrets.token_hex(4)}"
-    admin = create_engine(make_url(server).set(database=None), isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as conn:
-            conn.execute(text(f"CREATE DATABASE `{name}`"))
-        try:
-            yield make_url(server).set(database=name).render_as_string(hide_password=False)
-        finally:
-            with admin.connect() as conn:
-                conn.execute(text(f"DROP DATABASE IF EXISTS `{name}`"))
-    finally:
-        admin.dispose()
-
-
-@contextmanager
 def database(kind: str, folder: Path, server: str, tag: str) -> Iterator[str]:
     if kind == "sqlite":
         yield f"sqlite:///{folder / f'{tag}.db'}"
     else:
-        with mysql_database(server) as url:
+        with mysql_url(server) as url:
             yield url
 
 
