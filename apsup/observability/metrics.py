@@ -161,6 +161,12 @@ class SupervisorMetrics:
             "apsup_scans_completed", "Automatic scans completed.", fam, registry=r
         )
         self.dispatches = Counter("apsup_dispatches", "Workers launched.", fam, registry=r)
+        self.clock_rewinds = Counter(
+            "apsup_clock_rewinds",
+            "Schedule checkpoints clamped because database time went back.",
+            fam,
+            registry=r,
+        )
         key = ("supervisor_key",)
         self.leader = Gauge(
             "apsup_supervisor_leader",
@@ -200,6 +206,7 @@ class SupervisorMetrics:
             self.scans_started,
             self.scans_completed,
             self.dispatches,
+            self.clock_rewinds,
         ):
             metric.labels(name)
         for cause in FailureCause:
@@ -239,6 +246,11 @@ class SupervisorMetrics:
     @_never_raises
     def on_scan_completed(self, family: str) -> None:
         self.scans_completed.labels(self._family(family)).inc()
+
+    @_never_raises
+    def on_clock_rewinds(self, family: str, count: int) -> None:
+        if count > 0:
+            self.clock_rewinds.labels(self._family(family)).inc(count)
 
     @_never_raises
     def observe_discovery(self, family: str, seconds: float) -> None:

@@ -173,6 +173,9 @@ class HostObserver:
         self._next_count = 0.0
         self._activity = -1
         self._unacked: dict[str, int] = {}
+        #: The scheduler's clamp count per family, as last exported (a new term's scheduler
+        #: counts from 0 again; the exported counter only ever grows).
+        self._rewinds: dict[str, int] = {}
 
     def __call__(self, host: Host) -> None:
         self.heartbeat.beat()
@@ -277,6 +280,10 @@ class HostObserver:
                     "policy": fam.policy.describe(),
                 }
                 self.metrics.update_family(name, fam.max_workers, running, ready, retry_wait)
+                if snap is not None:
+                    seen, last = snap.clock_rewinds, self._rewinds.get(name, 0)
+                    self.metrics.on_clock_rewinds(name, seen - last if seen >= last else seen)
+                    self._rewinds[name] = seen
                 self.metrics.set_unconfirmed(name, unconfirmed.get(name, 0))
             term = sup.term
             holder, generation = self._lease_view.get(sup.key, (None, None))  # type: ignore[arg-type]
