@@ -45,6 +45,7 @@ from apsup.families._common import (
 )
 from apsup.registry import family
 from apsup.store import intents as _intents
+from apsup.store.schema import Identifier
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ PREFIX = "HANDOFF"
 PAGE = 50
 PAYLOAD_REF_LENGTH = 512
 PRINCIPAL_LENGTH = 128
+#: Byte-exact on MySQL too: a grant to ``Alice`` must not admit ``alice`` or ``"alice "``.
+PRINCIPAL = Identifier(PRINCIPAL_LENGTH)
 
 metadata = MetaData()
 
@@ -62,7 +65,7 @@ handoff_requests = Table(
     Column("scope_id", SCOPE, primary_key=True),
     Column("request_generation", BigInteger, primary_key=True, autoincrement=False),
     Column("payload_ref", String(PAYLOAD_REF_LENGTH), nullable=False),
-    Column("principal", String(PRINCIPAL_LENGTH), nullable=True),
+    Column("principal", PRINCIPAL, nullable=True),
     Column("requested_at", Timestamp, nullable=False),
 )
 
@@ -81,7 +84,7 @@ handoff_access = Table(
     "handoff_access",
     metadata,
     Column("scope_id", SCOPE, primary_key=True),
-    Column("principal", String(PRINCIPAL_LENGTH), primary_key=True),
+    Column("principal", PRINCIPAL, primary_key=True),
     Column("allowed", Boolean, nullable=False),
 )
 

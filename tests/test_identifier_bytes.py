@@ -193,6 +193,30 @@ def test_0005_refuses_merged_scopes_and_changes_nothing(db_url: str) -> None:
     assert _column_types(db_url, "topic_sources")["scope_id"] == "varchar"
 
 
+@pytest.mark.mysql_only
+def test_0006_makes_handoff_principals_byte_exact(db_url: str) -> None:
+    from apsup.families import handoff as ho
+    from apsup.families._common import AuthorizationDenied
+
+    migrate(db_url, BEFORE)
+    _old_collation(db_url)  # principal columns too, as apsup_0002 used to create them
+    with open_backend(db_url).engine.begin() as conn:
+        conn.exec_driver_sql(
+            "INSERT INTO handoff_access (scope_id, principal, allowed) VALUES ('s', 'alice', 1)"
+        )
+    migrate(db_url)
+    assert _column_types(db_url, "handoff_access")["principal"] == "varbinary"
+    assert _column_types(db_url, "handoff_requests")["principal"] == "varbinary"
+    backend = open_backend(db_url)
+    try:
+        with pytest.raises(AuthorizationDenied), backend.transaction() as conn:
+            ho.request_handoff(conn, "s", "blob://1", principal="Alice")
+        with backend.transaction() as conn:  # the kept grant still names its own principal
+            assert ho.request_handoff(conn, "s", "blob://1", principal="alice") == 1
+    finally:
+        backend.dispose()
+
+
 @pytest.mark.backends("sqlite")
 def test_0005_is_a_no_op_on_sqlite(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'x.db'}"

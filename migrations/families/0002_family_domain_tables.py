@@ -27,6 +27,7 @@ depends_on = "apsup_0001"
 Timestamp = sa.DateTime().with_variant(mysql.DATETIME(fsp=6), "mysql")
 SCOPE = 255
 DIGEST = 64
+PRINCIPAL = 128
 ZERO = sa.text("0")
 
 
@@ -34,6 +35,12 @@ def _scope(name: str = "scope_id", *, primary_key: bool = True) -> sa.Column:
     # Byte-exact on MySQL (VARBINARY): its text collations fold case or pad trailing spaces.
     kind = sa.String(SCOPE).with_variant(mysql.VARBINARY(4 * SCOPE), "mysql")
     return sa.Column(name, kind, primary_key=primary_key, nullable=False)
+
+
+def _principal(*, primary_key: bool = False, nullable: bool = False) -> sa.Column:
+    # Byte-exact on MySQL, like Scope ids: an access grant names exactly one principal.
+    kind = sa.String(PRINCIPAL).with_variant(mysql.VARBINARY(4 * PRINCIPAL), "mysql")
+    return sa.Column("principal", kind, primary_key=primary_key, nullable=nullable)
 
 
 def _big(name: str, *, primary_key: bool = False, default: bool = False) -> sa.Column:
@@ -133,7 +140,7 @@ def tables() -> dict[str, list[sa.SchemaItem]]:
             _scope(),
             _big("request_generation", primary_key=True),
             sa.Column("payload_ref", sa.String(512), nullable=False),
-            sa.Column("principal", sa.String(128), nullable=True),
+            _principal(nullable=True),
             sa.Column("requested_at", Timestamp, nullable=False),
         ],
         "handoff_reports": [
@@ -146,7 +153,7 @@ def tables() -> dict[str, list[sa.SchemaItem]]:
         ],
         "handoff_access": [
             _scope(),
-            sa.Column("principal", sa.String(128), primary_key=True),
+            _principal(primary_key=True),
             sa.Column("allowed", sa.Boolean, nullable=False),
         ],
     }

@@ -104,6 +104,21 @@ def test_authorization_boundary_at_acceptance(backend: Any) -> None:
         ask(backend, "other", "blob://x", principal="alice")  # grants are per Scope
 
 
+def test_a_grant_names_exactly_one_principal(backend: Any) -> None:
+    """MySQL's default collation folds case and pads spaces: a grant to ``alice`` used to admit
+    ``Alice`` and ``"alice "``, and ``Bob``'s denial shadowed ``bob``'s grant."""
+    with backend.transaction() as conn:
+        ho.grant(conn, "s", "alice")
+        ho.grant(conn, "s", "Bob", allowed=False)
+        ho.grant(conn, "s", "bob")  # a second principal, not an update of Bob's row
+    for other in ("Alice", "ALICE", "alice ", "Bob"):
+        with pytest.raises(AuthorizationDenied):
+            ask(backend, "s", "blob://1", principal=other)
+    assert count(backend, ho.handoff_requests) == 0
+    assert ask(backend, "s", "blob://1", principal="alice") == 1
+    assert ask(backend, "s", "blob://2", principal="bob") == 2
+
+
 def test_invalid_reference_is_rejected(backend: Any) -> None:
     with pytest.raises(DomainError):
         ask(backend, "s", "")
