@@ -4,6 +4,10 @@ Measures, for a no-op target in a "family module" that imports sqlalchemy and or
 families import), launches/s and per-launch latency from ``launch()`` to the *confirmed* exit,
 serially and with 2 and 8 Workers in flight. Prints one table and the ratios. Runs in < 60 s.
 
+It also measures the CPU floor of any design with a process per invocation: a bare ``os.fork()``
++ ``os._exit(0)`` + ``waitpid`` of a bare interpreter and of the Worker image (apsup's Worker
+wrapper and the database drivers imported), with nothing else done in the child.
+
     .venv/bin/python benchmarks/launch.py [--quick]
 
 Why it matters (DESIGN.md §6): the launch cost bounds invocations/s per host; spawn re-imports
@@ -41,6 +45,29 @@ def noop(payload: bytes) -> int:
     return 0
 '''
 TARGET = f"{FAMILY_MODULE}:noop"
+
+#: The smallest CPU cost of one process per invocation: ``os.fork()`` of an image, the child's
+#: immediate ``os._exit(0)``, the parent's ``waitpid``; no multiprocess, no database, no Python
+#: work in the child. Run in a fresh interpreter per image, so nothing else is mapped.
+FORK_FLOOR = """
+import os, resource, sys, time
+{imports}
+def cpu():
+    s = resource.getrusage(resource.RUSAGE_SELF)
+    c = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+n = {n}
+rss = int(open("/proc/self/statm").read().split()[1]) * 4096
+c0, t0 = cpu(), time.perf_counter()
+for _ in range(n):
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+print((cpu() - c0) / n, (time.perf_counter() - t0) / n, rss)
+"""
+#: What a Worker's image holds: apsup's Worker wrapper and both backends' drivers.
+WORKER_IMAGE = "import apsup.workers.invoke, apsup.store.sqlite, apsup.store.mysql, orjson"
 
 
 @dataclass
@@ -112,6 +139,16 @@ def run_spawn(n: int, concurrency: int, budget: float) -> Result:
     return Result("spawn", concurrency, len(latencies), time.perf_counter() - start, latencies)
 
 
+def fork_floor(imports: str, n: int) -> tuple[float, float, float]:
+    """(CPU ms, wall ms, MB resident) per bare fork + exit + reap of an image ``imports`` built."""
+    import subprocess
+
+    code = FORK_FLOOR.format(imports=imports, n=n)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    cpu, wall, rss = (float(x) for x in out.stdout.split())
+    return cpu * 1000, wall * 1000, rss / 1e6
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer launches (smoke run)")
@@ -139,6 +176,12 @@ def main() -> None:
     for level in levels:
         results.append(run_spawn(n_spawn, level, spawn_budget))
 
+    n_floor = 300 if args.quick else 2000
+    floors = [
+        ("bare interpreter", *fork_floor("", n_floor)),
+        ("Worker image", *fork_floor(WORKER_IMAGE, n_floor)),
+    ]
+
     header = f"{'mode':<20}{'conc':>5}{'launches':>10}{'launches/s':>12}"
     header += f"{'mean ms':>10}{'p50 ms':>9}{'p95 ms':>9}"
     print(f"load average (1 min) before: {load_before}, after: {os.getloadavg()[0]:.2f}")
@@ -161,9 +204,18 @@ def main() -> None:
             f"conc {level}: forkserver+preload is {fs.per_second / sp.per_second:.1f}x the "
             f"launches/s of spawn, {sp.mean_ms / fs.mean_ms:.1f}x lower mean latency"
         )
+    print()
+    print("CPU floor of a process per invocation (fork + os._exit + waitpid, nothing else):")
+    for name, cpu_ms, wall_ms, rss_mb in floors:
+        print(f"  {name:<18} {rss_mb:5.0f} MB resident: {cpu_ms:.2f} ms CPU, {wall_ms:.2f} ms wall")
     total = time.perf_counter() - t_start
     print(f"total benchmark time {total:.1f} s")
-    notes = []
+    notes = [
+        f"CPU floor of a process per invocation, {name} ({rss_mb:.0f} MB resident): "
+        f"{cpu_ms:.2f} ms CPU and {wall_ms:.2f} ms wall per fork + `os._exit` + `waitpid`, with "
+        "no multiprocess, no database and no Python work in the child"
+        for name, cpu_ms, wall_ms, rss_mb in floors
+    ]
     for level in levels:
         fs = next(r for r in results if r.mode == "forkserver+preload" and r.concurrency == level)
         sp = next(r for r in results if r.mode == "spawn" and r.concurrency == level)
