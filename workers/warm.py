@@ -155,4 +155,5 @@ if _path is not None:
     if _url:
         with contextlib.suppress(Exception):  # a cold engine is slower, never wrong
             warm(_url)
-    prepare_image()
+    with contextlib.suppress(Exception):  # an unprepared image is slower, never wrong
+        prepare_image()
