@@ -383,3 +383,58 @@ def test_point_read_matches_the_core_read(job: ExecutionContext, backend: SqlBac
     assert expected is not None and backend.read_intent(FAMILY, SCOPE) == expected
     assert backend.read_intent(FAMILY, "no-such-scope") is None
     assert backend.handled_generation(FAMILY, SCOPE) == expected.handled_generation == 0
+
+
+def _db_fds(path: str) -> int:
+    """How many of this process's file descriptors open the database file itself."""
+    real = str(Path(path).resolve())
+    count = 0
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            count += Path(fd).resolve() == Path(real)
+        except OSError:
+            continue
+    return count
+
+
+@pytest.mark.backends("sqlite")
+def test_wrapper_and_processor_share_one_connection(
+    job: ExecutionContext, backend: SqlBackend
+) -> None:
+    """The duplicate check opens the Worker's connection; a processor's ``ctx.fenced()`` and
+    the wrapper's acknowledgment reuse it: one connection per Worker, as before."""
+    path = str(job.backend.engine.url.database)
+    before = _db_fds(path)
+    assert not job.already_handled()
+    assert _db_fds(path) == before + 1
+    with job.fenced() as conn:
+        _write(conn, "business")
+    assert job.acknowledge_fenced() is True
+    assert _db_fds(path) == before + 1
+    assert _business(backend) == ["business"] and _handled(backend) == 1
+
+
+@pytest.mark.backends("sqlite")
+def test_wrapper_connection_does_not_cross_a_fork(
+    job: ExecutionContext, backend: SqlBackend
+) -> None:
+    """A process forked after the duplicate check opens its own connection; it never runs a
+    statement on (or closes) the one it inherited."""
+    import os
+
+    path = str(job.backend.engine.url.database)
+    assert not job.already_handled()
+    inherited = _db_fds(path)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through its exit code
+        code = 1
+        try:
+            moved = job.acknowledge_fenced()
+            code = 0 if moved and _db_fds(path) == inherited + 1 else 3
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert _handled(backend) == 1
+    # The parent's connection still works (the child neither used nor closed it).
+    assert job.already_handled()

@@ -41,6 +41,14 @@ def ok(payload: bytes) -> int:
     return 0
 
 
+def report_gc_freeze(payload: bytes) -> int:
+    """Write this Worker's frozen-object count (inherited from the forkserver) and pid."""
+    import gc
+
+    _write(payload.decode(), f"{gc.get_freeze_count()} {os.getpid()}")
+    return 0
+
+
 def exit_with(payload: bytes) -> int:
     return int(_args(payload)["code"])
 

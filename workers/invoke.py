@@ -47,7 +47,8 @@ def run(payload: bytes) -> int:
     except ContextError as exc:
         _say("bad context", exc)
         return ExitCode.BAD_CONTEXT
-    os.environ.update(ctx.settings)
+    for key, value in ctx.settings.items():  # not update(): its Mapping check costs a Worker
+        os.environ[key] = value  # ~0.2 ms of first-use work
     worker_logs.attach(ctx)  # logging, print and stderr join the host's log stream
     tracing.attach_context(ctx.trace_context)  # the processor's spans nest under the host's
     try:
