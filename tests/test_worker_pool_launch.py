@@ -7,6 +7,7 @@ is slow to fork (a loaded machine) or wedged. No timing assertion is tighter tha
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -15,7 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from apsup.store import migrate, open_backend
+from apsup.supervisor.host import LeasePolicy
+from apsup.supervisor.launcher import build_host
 from apsup.workers import ExitCode, WorkerPool
+from tests import liveness_families
 from tests.test_worker_processes import (
     GRACE,
     LIMIT,
@@ -142,3 +147,46 @@ def test_wedged_forkserver_fails_a_submitted_launch_after_launch_timeout(tmp_pat
         assert drive(p, {"w3"})["w3"].exitcode == 0
         p.terminate(["w"])
         assert drive(p, {"w"})["w"].exitcode == ExitCode.TERMINATED
+
+
+def test_host_dispatch_does_not_wait_for_a_wedged_forkserver_and_shutdown_stops_it(
+    db_url: str,
+) -> None:
+    """A host whose forkserver cannot fork keeps cycling (exits, renewal, control) instead of
+    blocking up to ``launch_timeout`` per launch; shutdown leaves no launch behind (the
+    forkserver is killed, so it forks nothing later) and the requests stay pending."""
+    fam = liveness_families.live_work
+    migrate(db_url)
+    backend = open_backend(db_url)
+    try:
+        with backend.transaction() as conn:
+            for i in range(2):
+                fam.request(conn, f"ok.{i}")
+    finally:
+        backend.dispose()
+    bundle = build_host(db_url, [fam], lease=LeasePolicy(10.0, 1.0, 0.5), shutdown_grace=1.0)
+    host, sup, pool = bundle.host, bundle.host.supervisors[0], bundle.pool
+    try:
+        host.start()
+        fs_pid = _stopped_forkserver(pool)
+        end = time.monotonic() + LIMIT
+        while len(sup.running) < 2:
+            assert time.monotonic() < end, "nothing dispatched"
+            began = time.monotonic()
+            host.cycle(max_wait=0.05)
+            assert time.monotonic() - began < LIMIT / 3, "a cycle waited for the forkserver"
+        assert [h.state for h in pool.running()] == ["launching", "launching"]
+        host.shutdown()
+        assert process_state(fs_pid) is None  # killed: no late fork of either launch
+        assert pool.running() == [] and sup.running == {}
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(fs_pid, signal.SIGCONT)
+        bundle.close()
+    backend = open_backend(db_url)
+    try:
+        for i in range(2):
+            row = backend.read_intent(fam.binding_name, f"ok.{i}")
+            assert row is not None and row.handled_generation == 0  # durable, not completed
+    finally:
+        backend.dispose()

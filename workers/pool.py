@@ -711,6 +711,22 @@ class WorkerPool:
             if not h.status_lost and (not h.adopted or h.pidfd is not None)
         ]
 
+    def settle_launches(self, ready: Iterable[int]) -> bool:
+        """Read the pids of launching Workers whose sentinels are in ``ready`` (fds a wait
+        returned). True if that was all there was to do: every fd was a launch's and none
+        brought an exit or a failure, so the owner may go back to waiting without a
+        :meth:`poll` (which would handle anything else, the same way)."""
+        ready = list(ready)
+        launching = {h.sentinel: h for h in self._handles.values() if h.state == "launching"}
+        if not launching or any(fd not in launching for fd in ready):
+            return False
+        settled = True
+        for fd in ready:
+            h = launching[fd]
+            if not self._complete(h) or h._status is not None:
+                settled = False  # a failed launch or an exit already: poll() reports it
+        return settled
+
     def next_deadline(self) -> float | None:
         """Monotonic time of the next timeout/grace/confirm step; ``None`` if nothing is due."""
         times: list[float] = []

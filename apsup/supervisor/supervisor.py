@@ -555,6 +555,11 @@ class Supervisor:
         inv = self.running.get(ex.worker_id)
         if inv is None:
             return
+        if ex.launch_error is not None and ex.terminated:
+            # Stopped (shutdown, lease loss) before the forkserver forked it: nothing ran.
+            del self.running[ex.worker_id]
+            log.info("worker launch stopped before it started", extra={"worker_id": inv.worker_id})
+            return
         if ex.launch_error is not None:
             self._launch_failed(inv, ex.launch_error)
             return
