@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from apsup.scheduling import Backoff
 from apsup.store import migrate, open_backend
 from apsup.supervisor.host import LeasePolicy
 from apsup.supervisor.launcher import build_host
@@ -190,3 +191,47 @@ def test_host_dispatch_does_not_wait_for_a_wedged_forkserver_and_shutdown_stops_
             assert row is not None and row.handled_generation == 0  # durable, not completed
     finally:
         backend.dispose()
+
+
+def test_host_fails_a_launch_the_wedged_forkserver_never_forks_and_retries_it(
+    db_url: str,
+) -> None:
+    """``ForkServerStuck`` through the Supervisor: after ``launch_timeout`` the forkserver is
+    killed, the invocation counts as failed and backs off, and a fresh forkserver runs the
+    retry. The host kept cycling meanwhile."""
+    fam = liveness_families.live_work
+    migrate(db_url)
+    backend = open_backend(db_url)
+    try:
+        with backend.transaction() as conn:
+            fam.request(conn, "ok.stuck")
+    finally:
+        backend.dispose()
+    bundle = build_host(
+        db_url,
+        [fam],
+        lease=LeasePolicy(10.0, 1.0, 0.5),
+        shutdown_grace=1.0,
+        backoff=Backoff(base=0.2, cap=0.5, jitter=0.0),
+    )
+    host, sup, pool = bundle.host, bundle.host.supervisors[0], bundle.pool
+    pool.launch_timeout = 6.0
+    try:
+        host.start()
+        fs_pid = _stopped_forkserver(pool)
+        end = time.monotonic() + LIMIT
+        while sup.failed[fam.name] == 0:
+            assert time.monotonic() < end, "the stuck launch never failed"
+            began = time.monotonic()
+            host.cycle(max_wait=0.05)
+            assert time.monotonic() - began < pool.launch_timeout / 2, "a cycle blocked"
+        assert process_state(fs_pid) is None  # killed: it can never fork the failed launch
+        while sup.completed[fam.name] == 0:
+            assert time.monotonic() < end, "the retry never completed"
+            host.cycle(max_wait=0.05)
+        assert sup.failed[fam.name] == 1 and pool.forkserver_pid not in (None, fs_pid)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(fs_pid, signal.SIGCONT)
+        host.shutdown()
+        bundle.close()

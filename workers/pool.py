@@ -30,10 +30,16 @@ Process-global state. ``multiprocess`` keeps one forkserver (and one preload lis
 only one open ``WorkerPool`` may exist per process, and a pool must be created after any fork of
 its owner (the dedicated-mode launcher must fork Supervisors first; each creates its own pool).
 
+Launches do not wait for the fork (``WorkerPool.submit``): the pid arrives on the same pipe as
+the exit status, so the owner waits on it with the exits and the pool reads it in ``poll``; the
+Worker's deadline counts from then. Measured at 8 Workers (300 no-op invocations, loaded 2-core
+machine): the host loop spent 3.9 s of 5.1 s blocked in launches and all 8 Workers were in
+flight 21% of the time; pipelined, 0.35 s and 90%.
+
 Private ``multiprocess`` internals used (pinned ``multiprocess<0.71``): ``Popen._launch`` and
-``connect_to_new_process`` are re-implemented (no ``__main__`` re-import, C pickle, bounded wait
-for the pid, no resource-tracker probe per launch), and the
-forkserver's pid/alive fd are read to detect its death and to stop it (no public stop exists).
+``connect_to_new_process`` are re-implemented (no ``__main__`` re-import, C pickle, the pid read
+later, no resource-tracker probe per launch), and the forkserver's pid/alive fd are read to
+detect its death and to stop it (no public stop exists).
 """
 
 from __future__ import annotations
