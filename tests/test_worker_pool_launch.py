@@ -7,9 +7,12 @@ is slow to fork (a loaded machine) or wedged. No timing assertion is tighter tha
 
 from __future__ import annotations
 
+import array
 import contextlib
+import fcntl
 import os
 import signal
+import termios
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +23,7 @@ from apsup.scheduling import Backoff
 from apsup.store import migrate, open_backend
 from apsup.supervisor.host import LeasePolicy
 from apsup.supervisor.launcher import build_host
-from apsup.workers import ExitCode, WorkerPool
+from apsup.workers import ExitCode, WorkerHandle, WorkerPool
 from tests import liveness_families
 from tests.test_worker_processes import (
     GRACE,
@@ -70,6 +73,25 @@ def test_several_launches_in_flight_hold_capacity_until_their_pids_arrive(
     assert len({ex.pid for ex in exits.values()}) == 3
     # The timeout counts from the Worker's start (its pid), not from the submit.
     assert all(ex.duration < time.monotonic() - resumed + 0.001 for ex in exits.values())
+
+
+def test_a_worker_that_exits_before_its_pid_is_read_is_confirmed_with_its_status(
+    pool: WorkerPool,
+) -> None:
+    """Pid and exit status both wait in the pipe: one poll reads both (the pidfd opened for a
+    number that may already be reused is dropped), and the real exit code is reported."""
+    h = pool.submit("w", f"{T}:hard_exit", payload(code=3), LIMIT)
+    wait_until(lambda: Path(f"/proc/{pool.forkserver_pid}").exists() and _pipe_has(h, 16), "exit")
+    exits = pool.poll()
+    assert [(ex.worker_id, ex.exitcode) for ex in exits] == [("w", 3)]
+    assert h.pidfd is None and pool.running() == []
+
+
+def _pipe_has(h: WorkerHandle, size: int) -> bool:
+    """Whether ``h``'s status pipe holds ``size`` unread bytes (the pid and the status)."""
+    buf = array.array("i", [0])
+    fcntl.ioctl(h.sentinel, termios.FIONREAD, buf)
+    return buf[0] >= size
 
 
 def test_deadline_counts_from_the_pid_not_from_the_submit(pool: WorkerPool, tmp_path: Path) -> None:

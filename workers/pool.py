@@ -652,7 +652,7 @@ class WorkerPool:
         h.pid, h.state, h.started, h.deadline = pid, "running", started, started + h.timeout
         h._popen.pid = pid
         _open_pidfd(h)
-        if h.pidfd is not None and _readable(h.sentinel):
+        if _readable(h.sentinel):
             # Its exit status is there already (or the forkserver is gone): read it now. A real
             # status means the forkserver reaped it, maybe before the pidfd was opened, so that
             # pidfd could name a process that reused the number: drop it.
@@ -838,8 +838,8 @@ class WorkerPool:
                     continue
                 if h._status is None:
                     continue  # running now; its exit status is not there yet
-            elif h.sentinel not in ready:
-                continue
+            elif h._status is None and h.sentinel not in ready:
+                continue  # (a status read with the pid is confirmed whether or not at EOF yet)
             exitcode = h._status
             if exitcode is None:
                 exitcode = h._status = self._read_status(h)
