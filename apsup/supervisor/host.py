@@ -419,7 +419,8 @@ class Host:
         timeout = self._timeout()
         if max_wait is not None:
             timeout = max_wait if timeout is None else min(timeout, max_wait)
-        objects: list[int] = [self._wake_r, *self.pool.sentinels()]
+        sentinels = self.pool.sentinels()
+        objects: list[int] = [self._wake_r, *sentinels]
         if self.control is not None:
             # While quiet, pending datagrams wait in the kernel: a flood costs one drain per
             # interval, not one loop iteration per datagram.
@@ -428,7 +429,17 @@ class Host:
                 timeout = quiet if timeout is None else min(timeout, quiet)
             else:
                 objects.append(self.control.fileno())
-        wait(objects, timeout)
+        end = None if timeout is None else time.monotonic() + timeout
+        # A launched Worker's pid arriving needs no cycle: the pool reads it and the wait goes
+        # on (with its deadline now among the pool's), until anything else is ready.
+        while (ready := wait(objects, timeout)) and self.pool.settle_launches(ready):
+            due = self.pool.next_deadline()
+            now = time.monotonic()
+            timeout = None if end is None else max(0.0, end - now)
+            if due is not None:
+                step = max(0.0, due - now)
+                timeout = step if timeout is None else min(timeout, step)
+            objects[1 : 1 + len(sentinels)] = sentinels = self.pool.sentinels()
         with contextlib.suppress(OSError):
             while os.read(self._wake_r, 512):
                 pass

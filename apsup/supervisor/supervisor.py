@@ -515,24 +515,32 @@ class Supervisor:
             worker_id, _success_fields(self.running[worker_id], 0.0)
         )
         try:
-            self.pool.launch(worker_id, TARGET, ctx.to_bytes(), fam.timeout)
+            # Sent, not waited for: the pool reads the pid when the forkserver reports it (the
+            # host's wait set has its sentinel), so the loop goes on dispatching and handling
+            # exits meanwhile; a launch that fails later comes back as an exit (``on_exit``).
+            self.pool.submit(worker_id, TARGET, ctx.to_bytes(), fam.timeout)
         except Exception as exc:
-            # Nothing started: report a failed invocation so the key backs off and retries.
-            log.error(
-                "worker launch failed",
-                extra={
-                    "family": fam.name,
-                    "scope": d.scope_id,
-                    "worker_id": worker_id,
-                    "exception_type": type(exc).__name__,
-                    "stage": "launch",
-                },
-            )
-            self.running.pop(worker_id, None)
-            self.failed[fam.name] += 1
-            core.on_worker_exit(
-                d.family, d.scope_id, Outcome.FAILURE, False, self.now(), token=d.token
-            )
+            self._launch_failed(self.running[worker_id], type(exc).__name__)
+
+    def _launch_failed(self, inv: Invocation, error: str) -> None:
+        """Nothing started: report a failed invocation so the key backs off and retries."""
+        log.error(
+            "worker launch failed",
+            extra={
+                "family": inv.family.name,
+                "scope": inv.scope_id,
+                "worker_id": inv.worker_id,
+                "exception_type": error,
+                "stage": "launch",
+            },
+        )
+        self.running.pop(inv.worker_id, None)
+        self.failed[inv.family.name] += 1
+        if self.core is None or self.term is None or self.term.generation != inv.term_generation:
+            return
+        self.core.on_worker_exit(
+            inv.family.name, inv.scope_id, Outcome.FAILURE, False, self.now(), token=inv.token
+        )
 
     # -- worker exits ------------------------------------------------------------------------
     def owns(self, worker_id: str) -> bool:
@@ -546,6 +554,14 @@ class Supervisor:
         database blip neither kills the host nor frees a key whose outcome is unknown."""
         inv = self.running.get(ex.worker_id)
         if inv is None:
+            return
+        if ex.launch_error is not None and ex.terminated:
+            # Stopped (shutdown, lease loss) before the forkserver forked it: nothing ran.
+            del self.running[ex.worker_id]
+            log.info("worker launch stopped before it started", extra={"worker_id": inv.worker_id})
+            return
+        if ex.launch_error is not None:
+            self._launch_failed(inv, ex.launch_error)
             return
         fam = inv.family
         try:
