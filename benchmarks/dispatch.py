@@ -219,6 +219,15 @@ def host_preload(url: str) -> list[str]:
     return [FAMILY_MODULE, TARGET.split(":", 1)[0], *worker_preload(url)]
 
 
+def host_image_pool(url: str):  # type: ignore[no-untyped-def]
+    """A pool whose forkserver is prepared exactly as ``build_host`` prepares it (same preloads,
+    the warmed engine and the image preparation of ``apsup.workers.warm``), so the raw and floor
+    Workers fork the same image as the Supervisor's: the floor stays a floor."""
+    from apsup.supervisor.launcher import WARM_MODULE, _start_pool
+
+    return _start_pool([*host_preload(url), WARM_MODULE], url, 5.0)
+
+
 def drain(pool) -> None:  # type: ignore[no-untyped-def]
     while len(pool):
         wait(pool.sentinels(), 5.0)
@@ -227,9 +236,8 @@ def drain(pool) -> None:  # type: ignore[no-untyped-def]
 
 def raw_launches(url: str, n: int, concurrency: int, budget: float) -> Run:
     """Bare ``WorkerPool`` launch -> confirmed exit of a no-op target, ``concurrency`` in flight."""
-    from apsup.workers import WorkerPool
 
-    with WorkerPool(host_preload(url)) as pool:
+    with host_image_pool(url) as pool:
         for i in range(concurrency):  # warm-up, as the host's pool is warm after its probe
             pool.launch(f"warm{i}", "apsup.workers.child:noop", b"", timeout=60)
         drain(pool)
@@ -254,7 +262,6 @@ def floor_launches(url: str, n: int, concurrency: int, budget: float) -> Run:
     """Bare launches whose child performs one fenced acknowledgment with the stdlib driver."""
     from apsup.store import intents, open_backend
     from apsup.store.leases import GLOBAL_KEY, new_holder_id
-    from apsup.workers import WorkerPool
 
     fam = importlib.import_module(FAMILY_MODULE).noop
     backend = open_backend(url)
@@ -283,7 +290,7 @@ def floor_launches(url: str, n: int, concurrency: int, budget: float) -> Run:
     ]
     target = f"{FAMILY_MODULE}:floor_ack"
     failed = 0
-    with WorkerPool(host_preload(url)) as pool:
+    with host_image_pool(url) as pool:
         for i in range(concurrency):
             pool.launch(f"warm{i}", "apsup.workers.child:noop", b"", timeout=60)
         drain(pool)
