@@ -3,7 +3,7 @@ PyMySQL connection (no SQLAlchemy Core), with every guarantee of the fenced Core
 
 - the path is really taken (no SQLAlchemy statement) and costs few round trips: the duplicate
   check one command on OceanBase (a SELECT: no transaction to end), the acknowledgment three
-  (Lease row lock, UPDATE, COMMIT), a new session at most three setup commands;
+  (Lease row lock, UPDATE, COMMIT), a new session two setup commands;
 - the Lease row is locked FOR UPDATE through COMMIT, in real concurrent transactions: an
   acknowledgment that waits for a takeover in progress commits nothing once the term is
   replaced, and a takeover waits for an acknowledgment that holds the row;
@@ -151,9 +151,10 @@ def test_the_wrapper_path_runs_on_the_driver_in_few_round_trips(
     counter = _Commands(monkeypatch, worker.engine)
     assert not job.already_handled()
     first = counter.take()
-    # A new session: PyMySQL's SET NAMES, our one SET, SQLAlchemy's SET NAMES; then the check.
+    # A new session: PyMySQL's SET NAMES and our one SET (SQLAlchemy's own SET NAMES, which
+    # would repeat PyMySQL's, is skipped); then the check.
     setup = [s for s in first if s.upper().startswith("SET")]
-    assert len(setup) <= 3, first
+    assert len(setup) == 2 and setup[0].startswith("SET NAMES"), first
     assert len(first) == len(setup) + 1 and first[-1].startswith("SELECT"), first
     assert job.already_handled() is False
     assert len(counter.take()) == 1  # the session is reused: one SELECT (no COMMIT: see below)
@@ -370,7 +371,8 @@ def test_sessions_are_set_up_as_the_core_path_expects(backend: SqlBackend, db_ur
             with engine.connect() as conn:
                 seen[name] = conn.exec_driver_sql(
                     "SELECT @@time_zone, @@transaction_isolation, @@autocommit, "
-                    "@@ob_trx_timeout, @@ob_query_timeout"
+                    "@@ob_trx_timeout, @@ob_query_timeout, @@character_set_client, "
+                    "@@character_set_connection, @@character_set_results"
                 ).one()
                 assert engine.dialect.default_isolation_level == "READ COMMITTED", name
             if name != "host reads":
@@ -378,8 +380,38 @@ def test_sessions_are_set_up_as_the_core_path_expects(backend: SqlBackend, db_ur
         for name, row in seen.items():
             assert row[0] == "+00:00", (name, row)
             assert row[1] == "READ-COMMITTED" or name == "host reads", (name, row)
+            assert row[5:] == ("utf8mb4", "utf8mb4", "utf8mb4"), (name, row)
         assert [seen[n][2] for n in ("worker", "cli", "host", "host reads")] == [0, 0, 0, 1]
         assert seen["worker"][3] == 30_000_000  # bounded before its first fenced transaction
         assert seen["host"][4] == seen["host reads"][4] < 10_000_000  # the host's limits
+    finally:
+        host.dispose()
+
+
+def test_dispose_closes_the_sessions_of_both_engines(backend: SqlBackend, db_url: str) -> None:
+    """``dispose()`` closes the host's read sessions too (each with a goodbye), and the backend
+    stays usable afterwards."""
+    host = open_backend(db_url, control=True)
+    try:
+        sessions = set()
+        for engine in (host.engine, host.read_engine):
+            fairy = engine.raw_connection()
+            sessions.add(fairy.driver_connection.thread_id())  # type: ignore[union-attr]
+            fairy.close()
+        assert len(sessions) == 2
+
+        def open_sessions() -> set[int]:
+            with backend.read() as conn:
+                ids = conn.exec_driver_sql("SELECT ID FROM information_schema.PROCESSLIST").all()
+            return {int(r[0]) for r in ids} & sessions
+
+        assert open_sessions() == sessions
+        host.dispose()
+        deadline = time.monotonic() + 10
+        while open_sessions() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert open_sessions() == set()
+        assert host.read_intent(FAMILY, SCOPE) is None  # usable again: new sessions
+        assert host.now() is not None
     finally:
         host.dispose()

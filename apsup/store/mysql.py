@@ -108,6 +108,7 @@ def _error_code(exc: DBAPIError) -> int | None:
     return None
 
 
+_NAMES_SENT = "_apsup_names_sent"
 _tls_lock = threading.Lock()
 _preferred_tls: Any = None  # PyMySQL's context for "TLS if the server offers it", once per process
 
@@ -132,6 +133,14 @@ def _connection_class() -> Any:
                 if _preferred_tls is None:
                     _preferred_tls = super()._create_ssl_ctx({})
                 return _preferred_tls
+
+        def character_set_name(self) -> Any:
+            # SQLAlchemy's connect hook (the first to ask on a new connection) re-sends
+            # ``SET NAMES <this>``, which PyMySQL has just sent: None skips that round trip.
+            # Asked again (dialect initialisation, later callers), the name is given as usual.
+            if self.__dict__.pop(_NAMES_SENT, False):
+                return None
+            return super().character_set_name()
 
     return _PyMySQLConnection
 
@@ -345,6 +354,8 @@ class MysqlBackend(SqlBackend):
             conn = factory(*cargs, **cparams)
             if control:
                 conn._read_timeout = limits.read_timeout
+            if session_init:
+                setattr(conn, _NAMES_SENT, True)  # ``character_set_name``
             if session_init and not known:
                 # This backend's first connection: ask which server this is, then set the
                 # session up in one statement (every later connection does it at connect).
@@ -396,6 +407,17 @@ class MysqlBackend(SqlBackend):
             if code in TRANSACTION_ABORT_CODES:
                 ctx.is_disconnect = True
                 ctx.invalidate_pool_on_disconnect = False
+
+    def dispose(self) -> None:
+        """Close the pooled connections of both engines (each with a goodbye to the server).
+
+        The pools are kept, as ``warm.py`` does: ``engine.dispose()`` would also build a new
+        pool, about 0.7 ms of CPU in a Worker about to exit, and make the next connection of a
+        backend still in use initialise the dialect again. Connections checked out right now
+        are not closed, as with ``engine.dispose()``."""
+        self.engine.pool.dispose()
+        if self.read_engine is not self.engine:
+            self.read_engine.pool.dispose()
 
     def _learn_server(self, version: str) -> None:
         self._oceanbase = "oceanbase" in version.lower()
