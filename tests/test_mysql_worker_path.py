@@ -3,7 +3,7 @@ PyMySQL connection (no SQLAlchemy Core), with every guarantee of the fenced Core
 
 - the path is really taken (no SQLAlchemy statement) and costs few round trips: the duplicate
   check one command on OceanBase (a SELECT: no transaction to end), the acknowledgment three
-  (Lease row lock, UPDATE, COMMIT), a new session two setup commands;
+  (Lease row lock, UPDATE, COMMIT), a new session one setup command;
 - the Lease row is locked FOR UPDATE through COMMIT, in real concurrent transactions: an
   acknowledgment that waits for a takeover in progress commits nothing once the term is
   replaced, and a takeover waits for an acknowledgment that holds the row;
@@ -151,10 +151,10 @@ def test_the_wrapper_path_runs_on_the_driver_in_few_round_trips(
     counter = _Commands(monkeypatch, worker.engine)
     assert not job.already_handled()
     first = counter.take()
-    # A new session: PyMySQL's SET NAMES and our one SET (SQLAlchemy's own SET NAMES, which
-    # would repeat PyMySQL's, is skipped); then the check.
+    # A new session: one SET (PyMySQL's SET NAMES carrying the whole session setup;
+    # SQLAlchemy's own SET NAMES, which would repeat it, is skipped); then the check.
     setup = [s for s in first if s.upper().startswith("SET")]
-    assert len(setup) == 2 and setup[0].startswith("SET NAMES"), first
+    assert len(setup) == 1 and setup[0].startswith("SET NAMES utf8mb4, time_zone"), first
     assert len(first) == len(setup) + 1 and first[-1].startswith("SELECT"), first
     assert job.already_handled() is False
     assert len(counter.take()) == 1  # the session is reused: one SELECT (no COMMIT: see below)
@@ -415,3 +415,31 @@ def test_dispose_closes_the_sessions_of_both_engines(backend: SqlBackend, db_url
         assert host.now() is not None
     finally:
         host.dispose()
+
+
+def test_sessions_are_set_up_with_a_plain_pymysql_connection_too(
+    backend: SqlBackend, db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without apsup's PyMySQL subclass (another PyMySQL release), the session setup that could
+    not travel with SET NAMES is sent on its own: the session ends up the same."""
+    from pymysql.connections import Connection
+
+    import apsup.store.mysql as mysql_store
+
+    monkeypatch.setattr(mysql_store, "_connection_class", lambda: Connection)
+    job = _job(backend, db_url)
+    worker = open_backend(db_url)
+    try:
+        assert worker.handled_generation(FAMILY, SCOPE) == 0  # first session: server learnt
+        worker.dispose()
+        assert worker.handled_generation(FAMILY, SCOPE) == 0  # a session of a known server
+        with worker.engine.connect() as conn:
+            assert type(conn.connection.driver_connection) is Connection
+            row = conn.exec_driver_sql(
+                "SELECT @@time_zone, @@transaction_isolation, @@autocommit, @@ob_trx_timeout"
+            ).one()
+        assert tuple(row) == ("+00:00", "READ-COMMITTED", 0, 30_000_000)
+        term = Term(job.supervisor_key, job.holder_id, job.supervisor_generation)
+        assert worker.acknowledge_fenced(term, FAMILY, SCOPE, 1, job.pending_sequence) is True
+    finally:
+        worker.dispose()

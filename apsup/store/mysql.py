@@ -109,6 +109,7 @@ def _error_code(exc: DBAPIError) -> int | None:
 
 
 _NAMES_SENT = "_apsup_names_sent"
+_SESSION_SQL = "_apsup_session_sql"
 _tls_lock = threading.Lock()
 _preferred_tls: Any = None  # PyMySQL's context for "TLS if the server offers it", once per process
 
@@ -133,6 +134,22 @@ def _connection_class() -> Any:
                 if _preferred_tls is None:
                     _preferred_tls = super()._create_ssl_ctx({})
                 return _preferred_tls
+
+        def set_character_set(self, charset: str, collation: str | None = None) -> None:
+            # PyMySQL's connect() sends ``SET NAMES`` right after authenticating. With apsup's
+            # session setup pending (``_SESSION_SQL``, left by ``_open``), both travel in one
+            # statement; its OK packet also tells PyMySQL that autocommit is already as wanted.
+            session = self.__dict__.pop(_SESSION_SQL, None)
+            if session is None or collation:
+                return super().set_character_set(charset, collation)  # type: ignore[no-any-return]
+            from pymysql.charset import charset_by_name
+            from pymysql.constants import COMMAND
+
+            encoding = charset_by_name(charset).encoding
+            self._execute_command(COMMAND.COM_QUERY, f"SET NAMES {charset}, {session}")
+            self._read_ok_packet()
+            self.charset, self.encoding, self.collation = charset, encoding, collation
+            return None
 
         def character_set_name(self) -> Any:
             # SQLAlchemy's connect hook (the first to ask on a new connection) re-sends
@@ -277,9 +294,9 @@ class MysqlBackend(SqlBackend):
             ) from None
         engine_url = strip_limits(u.difference_update_query([FENCE_TIMEOUT_PARAM]))
         pymysql = engine_url.get_driver_name() == "pymysql"
-        #: PyMySQL: each session is set up by one statement sent at connect (``_session_sql``)
+        #: PyMySQL: each session is set up by one statement sent at connect (``_session_settings``)
         #: instead of SQLAlchemy's and our own separate ones; unless the URL brings its own
-        #: ``init_command``, which is then left alone.
+        #: ``init_command`` (then sessions are set up as before, statement by statement).
         self._session_init = pymysql and "init_command" not in engine_url.query
         isolation: dict[str, Any] = {}
         if not self._session_init:
@@ -342,34 +359,44 @@ class MysqlBackend(SqlBackend):
                 # handshake by connect_timeout instead, then restore the statement bound (a
                 # private attribute: PyMySQL has no public setter).
                 cparams["read_timeout"] = limits.connect_timeout
-            known = session_init and self._oceanbase is not None
-            if known:
-                # The whole session setup travels as PyMySQL's ``init_command``, sent right
-                # after its own SET NAMES; with ``autocommit`` already as PyMySQL wants it, the
-                # driver then sends nothing more.
-                cparams["init_command"] = self._session_sql(autocommit, rec.info)
-            if session_init:
-                cparams["autocommit"] = autocommit
-            factory = pymysql_class or dialect.loaded_dbapi.connect
-            conn = factory(*cargs, **cparams)
-            if control:
-                conn._read_timeout = limits.read_timeout
-            if session_init:
+            if not session_init or pymysql_class is None:
+                factory = pymysql_class or dialect.loaded_dbapi.connect
+                conn = factory(*cargs, **cparams)
+                if control:
+                    conn._read_timeout = limits.read_timeout
+                return conn
+            cparams["autocommit"] = autocommit
+            # The server is known from this backend's first connection (a Worker inherits it):
+            # the whole session setup then travels with the SET NAMES PyMySQL sends at connect
+            # (``set_character_set``), and with autocommit already as PyMySQL wants it, the
+            # driver sends nothing more.
+            known = self._oceanbase is not None
+            conn = pymysql_class(*cargs, **dict(cparams, defer_connect=True))
+            try:
+                if known:
+                    setattr(conn, _SESSION_SQL, self._session_settings(autocommit, rec.info))
+                conn.connect()
+                if control:
+                    conn._read_timeout = limits.read_timeout
                 setattr(conn, _NAMES_SENT, True)  # ``character_set_name``
-            if session_init and not known:
-                # This backend's first connection: ask which server this is, then set the
-                # session up in one statement (every later connection does it at connect).
                 cur = conn.cursor()
                 try:
-                    cur.execute("SELECT VERSION()")
-                    row = cur.fetchone()
-                    self._learn_server(str(row[0]) if row else "")
-                    cur.execute(self._session_sql(autocommit, rec.info))
+                    if not known:  # this backend's first connection: which server is this?
+                        cur.execute("SELECT VERSION()")
+                        row = cur.fetchone()
+                        self._learn_server(str(row[0]) if row else "")
+                        conn.rollback()  # a SELECT may open an implicit transaction
+                        setattr(conn, _SESSION_SQL, self._session_settings(autocommit, rec.info))
+                    pending = conn.__dict__.pop(_SESSION_SQL, None)
+                    if pending is not None:  # not sent with SET NAMES: on its own
+                        cur.execute(f"SET {pending}")
                 finally:
                     cur.close()
-                    conn.rollback()  # a SELECT may open an implicit transaction; SET never does
-            if session_init:
-                rec.info["apsup_oceanbase"] = self._oceanbase
+            except BaseException:
+                if conn.open:
+                    conn.close()
+                raise
+            rec.info["apsup_oceanbase"] = self._oceanbase
             return conn
 
         @event.listens_for(engine, "connect")
@@ -423,10 +450,10 @@ class MysqlBackend(SqlBackend):
         self._oceanbase = "oceanbase" in version.lower()
         self._isolation_var = _isolation_variable(version)
 
-    def _session_sql(self, autocommit: bool, info: dict[str, Any]) -> str:
-        """One ``SET`` for everything a new session needs: UTC session time, READ COMMITTED
-        and autocommit off (autocommit on for the host's read engine), the control backend's
-        statement limits, and for a Worker the bound of its fenced transactions."""
+    def _session_settings(self, autocommit: bool, info: dict[str, Any]) -> str:
+        """The settings of the one ``SET`` that prepares a new session: UTC session time, READ
+        COMMITTED and autocommit off (autocommit on for the host's read engine), the control
+        backend's statement limits, and for a Worker the bound of its fenced transactions."""
         settings = ["time_zone = '+00:00'"]  # database time is naive UTC
         if autocommit:
             settings.append("autocommit = 1")
@@ -438,7 +465,7 @@ class MysqlBackend(SqlBackend):
         if self._bound_at_connect and self._oceanbase and self.fence_timeout > 0 and not autocommit:
             settings.append(f"ob_trx_timeout = {int(self.fence_timeout * 1_000_000)}")
             info["apsup_bounded"] = True
-        return "SET " + ", ".join(settings)
+        return ", ".join(settings)
 
     def read(self) -> AbstractContextManager[Connection]:
         if self.read_engine is self.engine:
