@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ProgrammingError
 
 from apsup.context import ExecutionContext, dispose_backends
@@ -443,3 +444,42 @@ def test_sessions_are_set_up_with_a_plain_pymysql_connection_too(
         assert worker.acknowledge_fenced(term, FAMILY, SCOPE, 1, job.pending_sequence) is True
     finally:
         worker.dispose()
+
+
+def test_a_lock_wait_timeout_retries_the_whole_acknowledgment(
+    backend: SqlBackend, db_url: str, raw: Engine
+) -> None:
+    """A lock wait ended by the server (1205: only the statement is rolled back) is not
+    continued: the session is discarded and the whole transaction retried on a new one, Lease
+    lock first. Here the server ends each wait after 1 s while another session holds the Lease
+    row for about 2.5 s: a later attempt acknowledges."""
+    job = _job(backend, db_url)
+    url = make_url(db_url).update_query_dict(
+        {"apsup_query_timeout": "1", "apsup_read_timeout": "20"}
+    )
+    store = open_backend(url.render_as_string(hide_password=False), control=True)
+    term = Term(job.supervisor_key, job.holder_id, job.supervisor_generation)
+    errors: list[int] = []
+
+    @event.listens_for(store.engine.pool, "invalidate")
+    def _on_invalidate(dbapi_conn: Any, rec: Any, exc: BaseException | None) -> None:
+        orig = getattr(exc, "orig", exc)
+        errors.append(int(orig.args[0]) if orig is not None and orig.args else 0)
+
+    try:
+        with raw.connect() as locker:
+            locker.begin()
+            _lock_row(locker, LEASES, "supervisor_key = :k", {"k": KEY.encode()})
+            worker, out = _in_thread(
+                lambda: store.acknowledge_fenced(term, FAMILY, SCOPE, 1, job.pending_sequence)
+            )
+            time.sleep(2.5)
+            assert worker.is_alive(), out
+            locker.commit()
+        worker.join(20)
+        assert not worker.is_alive()
+        assert out.get("value") is True, out
+        assert errors and set(errors) <= {1205, 4012}, errors  # waits the server ended
+        assert _handled(backend) == 1
+    finally:
+        store.dispose()

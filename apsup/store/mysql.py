@@ -24,6 +24,15 @@ Dialect facts this module is built on (DESIGN §6, §7):
   connection, more than the rest of a Worker's invocation. The same context is built once per
   process instead (``_PyMySQLConnection``), and the forkserver builds it while warming the engine,
   so Workers inherit it; the TLS behaviour (attempted, same settings) is unchanged.
+- A new PyMySQL session is set up by one statement: the ``SET NAMES`` PyMySQL sends at connect
+  also carries the time zone, READ COMMITTED, autocommit off (on for the host's read engine),
+  the control backend's statement limits and, in a Worker, ``ob_trx_timeout``; SQLAlchemy's own
+  repeat of ``SET NAMES`` is skipped. Six commands per new session before, one now.
+- The Worker wrapper's duplicate check and fenced acknowledgment, and the host's point read of
+  an intent row, run on the pooled PyMySQL connection with the Core path's statements, fence
+  and errors (``read_intent``, ``handled_generation``, ``acknowledge_fenced``): a Worker sends
+  five SQL commands per invocation (thirteen through SQLAlchemy Core). OceanBase opens no
+  transaction for a plain read under READ COMMITTED, so the duplicate check needs no COMMIT.
 - A control backend (the host's) bounds every call (``apsup.store.limits``): PyMySQL
   connect/read/write timeouts end a half-open connection, and ``ob_query_timeout`` (checked on
   seekdb: error 4012 for a slow statement, 1205 for a lock wait; ``max_execution_time`` is
@@ -542,23 +551,20 @@ class MysqlBackend(SqlBackend):
 
         fairy = self.engine.raw_connection()
         dbapi_conn: Any = fairy.driver_connection
-        clean = False
         try:
+            yield dbapi_conn, fairy.info
+            fairy.info[_TXN_OPEN] = False  # ended here: the pool needs no ROLLBACK
+        except DriverError as exc:
+            fairy.invalidate(exc)
+            raise self._wrapped(exc) from exc
+        except BaseException as exc:
             try:
-                yield dbapi_conn, fairy.info
-                clean = True
-            except DriverError as exc:
-                raise self._wrapped(exc) from exc
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    dbapi_conn.rollback()
-                    clean = True
-                raise
+                dbapi_conn.rollback()
+                fairy.info[_TXN_OPEN] = False
+            except Exception:
+                fairy.invalidate(exc)
+            raise
         finally:
-            if clean:
-                fairy.info[_TXN_OPEN] = False  # ended here: the pool needs no ROLLBACK
-            else:
-                fairy.invalidate()
             fairy.close()
 
     def read_intent(self, binding: str, scope_id: str) -> Intent | None:
@@ -576,10 +582,10 @@ class MysqlBackend(SqlBackend):
             row = cur.fetchone()
             cur.close()
         except DriverError as exc:
-            fairy.invalidate()  # the session's state is unknown after a failed statement
+            fairy.invalidate(exc)  # the session's state is unknown after a failed statement
             raise self._wrapped(exc) from exc
-        except BaseException:
-            fairy.invalidate()
+        except BaseException as exc:
+            fairy.invalidate(exc)
             raise
         finally:
             fairy.close()
