@@ -47,6 +47,7 @@ from intake import mysql_url
 REPO = Path(__file__).resolve().parent.parent
 FAMILY_MODULE = "apsup_bench_mysql_family"
 MARKS_ENV = "APSUP_BENCH_MARKS"
+WORKER_WIRE_ENV = "APSUP_BENCH_WORKER_WIRE"
 FAMILY_SOURCE = '''"""Stand-in families for benchmarks/mysql.py."""
 import os
 import time
@@ -54,6 +55,41 @@ import time
 from apsup.registry import Registry, family
 
 registry = Registry()
+
+if os.environ.get("APSUP_BENCH_WORKER_WIRE"):
+    # Imported by the forkserver: every Worker counts what PyMySQL sends (SQL commands, pings,
+    # new connections) and appends one line to the file on its way out. A benchmark
+    # instrument (one small append per Worker), not part of apsup.
+    from pymysql.connections import Connection
+
+    import apsup.workers.invoke as _invoke
+
+    _wire = [0, 0, 0]
+    os.register_at_fork(after_in_child=lambda: _wire.__setitem__(slice(None), [0, 0, 0]))
+    _command, _connect = Connection._execute_command, Connection.connect
+
+    def _counted(self, command, sql):
+        if command in (3, 14):  # COM_QUERY, COM_PING
+            _wire[0 if command == 3 else 1] += 1
+        return _command(self, command, sql)
+
+    def _connecting(self, sock=None):
+        _wire[2] += 1
+        return _connect(self, sock)
+
+    Connection._execute_command, Connection.connect = _counted, _connecting
+    _release = _invoke.release_before_exit
+
+    def _release_and_report():
+        _release()
+        line = " ".join(map(str, _wire)) + "\\n"
+        fd = os.open(os.environ["APSUP_BENCH_WORKER_WIRE"], os.O_WRONLY | os.O_APPEND)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+
+    _invoke.release_before_exit = _release_and_report
 
 
 @family("bench-noop", max_workers=2, timeout=60, registry=registry)
@@ -214,6 +250,10 @@ class Drain:
     cpu: float  # seconds, all processes (server included when known)
     server_cpu: float
     host_commands: int
+    #: What the Workers sent (MySQL only): SQL commands + pings, and new connections, summed
+    worker_commands: int = 0
+    worker_connects: int = 0
+    workers_reported: int = 0
 
     @property
     def rate(self) -> float:
@@ -231,6 +271,10 @@ class Drain:
     def statements_per_inv(self) -> float:
         return self.host_commands / max(self.count, 1)
 
+    @property
+    def worker_commands_per_inv(self) -> float:
+        return self.worker_commands / max(self.workers_reported, 1)
+
 
 def drain(
     url: str, kind: str, n: int, workers: int, budget: float, server_pid: int | None
@@ -246,6 +290,9 @@ def drain(
             fam.request_many(conn, [f"scope-{i:06d}" for i in range(n)])
     finally:
         backend.dispose()
+    wire = Path(tempfile.mkstemp(prefix="apsup-bench-wire-")[1])
+    if kind == "mysql":
+        os.environ[WORKER_WIRE_ENV] = str(wire)  # read by the forkserver's family import
     cpu0, srv0 = own_cpu(), cpu_seconds(server_pid)
     bundle = build_host(url, [fam], shutdown_grace=5.0)
     host, sup = bundle.host, bundle.host.supervisors[0]
@@ -264,11 +311,25 @@ def drain(
     finally:
         host.shutdown()
         bundle.close()
+        os.environ.pop(WORKER_WIRE_ENV, None)
     if failed:
         print(f"  warning: {failed} invocation(s) failed", file=sys.stderr)
     srv = cpu_seconds(server_pid) - srv0 if kind == "mysql" else 0.0
     commands = counter.snapshot()[1]
-    return Drain(kind, workers, count, wall, own_cpu() - cpu0 + srv, srv, commands)
+    reports = [[int(x) for x in line.split()] for line in wire.read_text().splitlines()]
+    wire.unlink()
+    return Drain(
+        kind,
+        workers,
+        count,
+        wall,
+        own_cpu() - cpu0 + srv,
+        srv,
+        commands,
+        worker_commands=sum(r[0] + r[1] for r in reports),
+        worker_connects=sum(r[2] for r in reports),
+        workers_reported=len(reports),
+    )
 
 
 # -- 2. wake-up latency and idle statements ---------------------------------------------------
@@ -417,7 +478,8 @@ def main(argv: list[str] | None = None) -> int:
                         print(
                             f"round {round_no} {kind:<6} {workers} Workers: {run.rate:6.1f}/s "
                             f"cpu {run.cpu_ms:5.1f} ms/inv (server {run.server_ms:4.1f}) "
-                            f"host commands {run.statements_per_inv:.2f}",
+                            f"host commands {run.statements_per_inv:.2f} Worker commands "
+                            f"{run.worker_commands_per_inv:.2f}",
                             flush=True,
                         )
         if not args.skip_wake:
@@ -499,8 +561,8 @@ def report(
             f"{args.rounds} interleaved rounds (median)",
             "",
             "| backend | Workers | tasks/s (median) | min-max | CPU ms/task "
-            "| of which server | host SQL commands/task |",
-            "|---|---:|---:|---:|---:|---:|---:|",
+            "| of which server | host SQL commands/task | Worker SQL commands/task |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for workers in (2, 8):
             for kind in ("sqlite", "mysql"):
@@ -511,7 +573,12 @@ def report(
                     f"{min(rates):.1f}-{max(rates):.1f} | "
                     f"{statistics.median(r.cpu_ms for r in sel):.1f} | "
                     f"{statistics.median(r.server_ms for r in sel):.1f} | "
-                    f"{statistics.median(r.statements_per_inv for r in sel):.2f} |"
+                    f"{statistics.median(r.statements_per_inv for r in sel):.2f} | "
+                    + (
+                        f"{statistics.median(r.worker_commands_per_inv for r in sel):.2f} |"
+                        if kind == "mysql"
+                        else "- |"
+                    )
                 )
         lines.append("")
         if server_cpu:
@@ -521,6 +588,11 @@ def report(
             )
         else:
             lines.append("CPU per task: host + forkserver + Workers (server CPU not measured).")
+        lines.append(
+            "SQL commands: statements plus COMMIT/ROLLBACK/SET, counted at the driver on MySQL "
+            "(pings included), the host's on its engines, each Worker's in the Worker (a new "
+            "session's setup included; its handshake is not a command)."
+        )
         lines.append("")
         for workers in (2, 8):
             ratios = []

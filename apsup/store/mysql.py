@@ -24,6 +24,15 @@ Dialect facts this module is built on (DESIGN §6, §7):
   connection, more than the rest of a Worker's invocation. The same context is built once per
   process instead (``_PyMySQLConnection``), and the forkserver builds it while warming the engine,
   so Workers inherit it; the TLS behaviour (attempted, same settings) is unchanged.
+- A new PyMySQL session is set up by one statement: the ``SET NAMES`` PyMySQL sends at connect
+  also carries the time zone, READ COMMITTED, autocommit off (on for the host's read engine),
+  the control backend's statement limits and, in a Worker, ``ob_trx_timeout``; SQLAlchemy's own
+  repeat of ``SET NAMES`` is skipped. Six commands per new session before, one now.
+- The Worker wrapper's duplicate check and fenced acknowledgment, and the host's point read of
+  an intent row, run on the pooled PyMySQL connection with the Core path's statements, fence
+  and errors (``read_intent``, ``handled_generation``, ``acknowledge_fenced``): a Worker sends
+  five SQL commands per invocation (thirteen through SQLAlchemy Core). OceanBase opens no
+  transaction for a plain read under READ COMMITTED, so the duplicate check needs no COMMIT.
 - A control backend (the host's) bounds every call (``apsup.store.limits``): PyMySQL
   connect/read/write timeouts end a half-open connection, and ``ob_query_timeout`` (checked on
   seekdb: error 4012 for a slow statement, 1205 for a lock wait; ``max_execution_time`` is
@@ -35,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -47,11 +57,13 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.engine.default import DefaultDialect
 from sqlalchemy.exc import DBAPIError, DisconnectionError, IntegrityError
 
-from apsup.errors import ConfigError
+from apsup.errors import ConfigError, IntentError
 from apsup.store.base import SqlBackend
+from apsup.store.intents import Intent
 from apsup.store.leases import (
     GLOBAL_KEY,
     INVALIDATED,
+    LeaseRow,
     Term,
     is_live,
     other_mode_keys,
@@ -61,7 +73,7 @@ from apsup.store.leases import (
     validate,
 )
 from apsup.store.limits import DbLimits, parse_limits, strip_limits
-from apsup.store.schema import leases
+from apsup.store.schema import intents, leases
 
 #: Errors after which the server has rolled back the whole transaction (not just a statement).
 TRANSACTION_ABORT_CODES = frozenset({1213, 4012, 6002})
@@ -70,6 +82,32 @@ FENCE_TIMEOUT_SECONDS = 30.0
 FENCE_TIMEOUT_PARAM = "apsup_fence_timeout"
 #: Database time in UTC whatever the server's or the session's time zone (naive, microseconds).
 _UTC_NOW = text("SELECT UTC_TIMESTAMP(6)")
+#: The Worker wrapper's statements on the DBAPI connection: the same conditions as
+#: ``intents.get``, ``leases.read_lease(for_update=True)`` and ``intents.acknowledge``. Set to
+#: False to compare with the SQLAlchemy Core path (a benchmark switch).
+DBAPI_PATH = True
+_INTENT_SQL = (
+    "SELECT binding_name, scope_id, pending_sequence, dirty_generation, clean_generation,"
+    " requested_generation, handled_generation, last_auto_scan_generation"
+    f" FROM {intents.name} WHERE binding_name = %s AND scope_id = %s"
+)
+_HANDLED_SQL = (
+    f"SELECT handled_generation FROM {intents.name} WHERE binding_name = %s AND scope_id = %s"
+)
+_ROW_SQL = (
+    f"SELECT handled_generation, requested_generation, pending_sequence FROM {intents.name}"
+    " WHERE binding_name = %s AND scope_id = %s"
+)
+_LEASE_LOCK_SQL = (
+    f"SELECT holder_id, supervisor_generation, expires_at FROM {leases.name}"
+    " WHERE supervisor_key = %s FOR UPDATE"
+)
+_ACK_SQL = (
+    f"UPDATE {intents.name} SET handled_generation = %s WHERE binding_name = %s AND scope_id = %s"
+    " AND handled_generation < %s AND requested_generation >= %s AND pending_sequence = %s"
+)
+#: Appended for an expiring Lease: still unexpired at this statement's start (after the lock).
+_UNEXPIRED = " AND CAST(%s AS DATETIME(6)) > UTC_TIMESTAMP(6)"
 
 
 def _error_code(exc: DBAPIError) -> int | None:
@@ -79,6 +117,8 @@ def _error_code(exc: DBAPIError) -> int | None:
     return None
 
 
+_NAMES_SENT = "_apsup_names_sent"
+_SESSION_SQL = "_apsup_session_sql"
 _tls_lock = threading.Lock()
 _preferred_tls: Any = None  # PyMySQL's context for "TLS if the server offers it", once per process
 
@@ -103,6 +143,30 @@ def _connection_class() -> Any:
                 if _preferred_tls is None:
                     _preferred_tls = super()._create_ssl_ctx({})
                 return _preferred_tls
+
+        def set_character_set(self, charset: str, collation: str | None = None) -> None:
+            # PyMySQL's connect() sends ``SET NAMES`` right after authenticating. With apsup's
+            # session setup pending (``_SESSION_SQL``, left by ``_open``), both travel in one
+            # statement; its OK packet also tells PyMySQL that autocommit is already as wanted.
+            session = self.__dict__.pop(_SESSION_SQL, None)
+            if session is None or collation:
+                return super().set_character_set(charset, collation)  # type: ignore[no-any-return]
+            from pymysql.charset import charset_by_name
+            from pymysql.constants import COMMAND
+
+            encoding = charset_by_name(charset).encoding
+            self._execute_command(COMMAND.COM_QUERY, f"SET NAMES {charset}, {session}")
+            self._read_ok_packet()
+            self.charset, self.encoding, self.collation = charset, encoding, collation
+            return None
+
+        def character_set_name(self) -> Any:
+            # SQLAlchemy's connect hook (the first to ask on a new connection) re-sends
+            # ``SET NAMES <this>``, which PyMySQL has just sent: None skips that round trip.
+            # Asked again (dialect initialisation, later callers), the name is given as usual.
+            if self.__dict__.pop(_NAMES_SENT, False):
+                return None
+            return super().character_set_name()
 
     return _PyMySQLConnection
 
@@ -186,14 +250,32 @@ def _skip_needless_reset(engine: Engine) -> None:
     event.listen(engine.pool, "reset", reset)
 
 
-def _statement_limits(oceanbase: bool, seconds: float) -> list[str]:
+def _limit_settings(oceanbase: bool, seconds: float) -> list[str]:
     """Session settings that make the server end a statement (lock waits included)."""
     if oceanbase:
-        return [f"SET ob_query_timeout = {max(1, int(seconds * 1_000_000))}"]
+        return [f"ob_query_timeout = {max(1, int(seconds * 1_000_000))}"]
     return [
-        f"SET SESSION max_execution_time = {max(1, int(seconds * 1000))}",
-        f"SET SESSION innodb_lock_wait_timeout = {max(1, math.ceil(seconds))}",
+        f"SESSION max_execution_time = {max(1, int(seconds * 1000))}",
+        f"SESSION innodb_lock_wait_timeout = {max(1, math.ceil(seconds))}",
     ]
+
+
+def _statement_limits(oceanbase: bool, seconds: float) -> list[str]:
+    return [f"SET {setting}" for setting in _limit_settings(oceanbase, seconds)]
+
+
+def _isolation_variable(version: str) -> str:
+    """The session variable that holds the isolation level on this server: MySQL renamed
+    ``tx_isolation`` to ``transaction_isolation`` in 5.7.20 and dropped the old name in 8.0;
+    OceanBase knows both, MariaDB only the old one (before 11.1)."""
+    lowered = version.lower()
+    if "oceanbase" in lowered:
+        return "transaction_isolation"
+    numbers = re.match(r"(\d+)\.(\d+)\.(\d+)", version)
+    if "mariadb" in lowered or numbers is None:
+        return "tx_isolation"
+    new_name = tuple(map(int, numbers.groups())) >= (5, 7, 20)
+    return "transaction_isolation" if new_name else "tx_isolation"
 
 
 class MysqlBackend(SqlBackend):
@@ -221,10 +303,25 @@ class MysqlBackend(SqlBackend):
             ) from None
         engine_url = strip_limits(u.difference_update_query([FENCE_TIMEOUT_PARAM]))
         pymysql = engine_url.get_driver_name() == "pymysql"
+        #: PyMySQL: each session is set up by one statement sent at connect (``_session_settings``)
+        #: instead of SQLAlchemy's and our own separate ones; unless the URL brings its own
+        #: ``init_command`` (then sessions are set up as before, statement by statement).
+        self._session_init = pymysql and "init_command" not in engine_url.query
+        isolation: dict[str, Any] = {}
+        if not self._session_init:
+            isolation["isolation_level"] = "READ COMMITTED"
+        #: Whether the server is OceanBase: asked once per backend (a forked Worker inherits the
+        #: answer from the forkserver's warm-up instead of asking on its own connection).
+        self._oceanbase: bool | None = None
+        self._isolation_var = "transaction_isolation"
+        #: Bound every new session's transactions at connect (``ob_trx_timeout``), not before
+        #: its first fenced transaction: set once this backend serves a Worker invocation,
+        #: whose session runs a fenced acknowledgment anyway (``handled_generation``).
+        self._bound_at_connect = False
         self.engine = create_engine(
             engine_url,
             connect_args=connect_args,
-            isolation_level="READ COMMITTED",
+            **isolation,
             pool_pre_ping=not pymysql,
             pool_recycle=1800,
             pool_size=4,
@@ -232,9 +329,6 @@ class MysqlBackend(SqlBackend):
             pool_reset_on_return=None,  # ``_skip_needless_reset``: only when a txn may be open
         )
         self.read_engine = self.engine
-        #: Whether the server is OceanBase: asked once per backend (a forked Worker inherits the
-        #: answer from the forkserver's warm-up instead of asking on its own connection).
-        self._oceanbase: bool | None = None
         self._instrument(self.engine, control, limits)
         _skip_needless_reset(self.engine)
         if pymysql:
@@ -257,12 +351,15 @@ class MysqlBackend(SqlBackend):
                 max_overflow=4,
                 **read_options,
             )
-            self._instrument(self.read_engine, control, limits)
+            self._instrument(self.read_engine, control, limits, autocommit=True)
             if pymysql:
                 _ping_when_idle(self.read_engine)
 
-    def _instrument(self, engine: Engine, control: bool, limits: DbLimits) -> None:
+    def _instrument(
+        self, engine: Engine, control: bool, limits: DbLimits, *, autocommit: bool = False
+    ) -> None:
         pymysql_class = _connection_class() if engine.dialect.driver == "pymysql" else None
+        session_init = pymysql_class is not None and self._session_init
 
         @event.listens_for(engine, "do_connect")
         def _connect(dialect: Any, rec: Any, cargs: Any, cparams: Any) -> Any:
@@ -271,14 +368,50 @@ class MysqlBackend(SqlBackend):
                 # handshake by connect_timeout instead, then restore the statement bound (a
                 # private attribute: PyMySQL has no public setter).
                 cparams["read_timeout"] = limits.connect_timeout
-            factory = pymysql_class or dialect.loaded_dbapi.connect
-            conn = factory(*cargs, **cparams)
-            if control:
-                conn._read_timeout = limits.read_timeout
+            if not session_init or pymysql_class is None:
+                factory = pymysql_class or dialect.loaded_dbapi.connect
+                conn = factory(*cargs, **cparams)
+                if control:
+                    conn._read_timeout = limits.read_timeout
+                return conn
+            cparams["autocommit"] = autocommit
+            # The server is known from this backend's first connection (a Worker inherits it):
+            # the whole session setup then travels with the SET NAMES PyMySQL sends at connect
+            # (``set_character_set``), and with autocommit already as PyMySQL wants it, the
+            # driver sends nothing more.
+            known = self._oceanbase is not None
+            conn = pymysql_class(*cargs, **dict(cparams, defer_connect=True))
+            try:
+                if known:
+                    setattr(conn, _SESSION_SQL, self._session_settings(autocommit, rec.info))
+                conn.connect()
+                if control:
+                    conn._read_timeout = limits.read_timeout
+                setattr(conn, _NAMES_SENT, True)  # ``character_set_name``
+                cur = conn.cursor()
+                try:
+                    if not known:  # this backend's first connection: which server is this?
+                        cur.execute("SELECT VERSION()")
+                        row = cur.fetchone()
+                        self._learn_server(str(row[0]) if row else "")
+                        conn.rollback()  # a SELECT may open an implicit transaction
+                        setattr(conn, _SESSION_SQL, self._session_settings(autocommit, rec.info))
+                    pending = conn.__dict__.pop(_SESSION_SQL, None)
+                    if pending is not None:  # not sent with SET NAMES: on its own
+                        cur.execute(f"SET {pending}")
+                finally:
+                    cur.close()
+            except BaseException:
+                if conn.open:
+                    conn.close()
+                raise
+            rec.info["apsup_oceanbase"] = self._oceanbase
             return conn
 
         @event.listens_for(engine, "connect")
         def _on_connect(dbapi_conn: Any, rec: Any) -> None:
+            if session_init:
+                return  # set up at connect (``_connect``)
             # PyMySQL reports "5.7.25" as the server version; VERSION() names OceanBase.
             cur = dbapi_conn.cursor()
             asked = False
@@ -288,11 +421,11 @@ class MysqlBackend(SqlBackend):
                     asked = True
                     cur.execute("SELECT VERSION()")
                     row = cur.fetchone()
-                    self._oceanbase = bool(row) and "oceanbase" in str(row[0]).lower()
+                    self._learn_server(str(row[0]) if row else "")
                 rec.info["apsup_oceanbase"] = self._oceanbase
                 query_timeout = self.limits.query_timeout if self.limits else 0
                 if query_timeout > 0:
-                    for statement in _statement_limits(self._oceanbase, query_timeout):
+                    for statement in _statement_limits(bool(self._oceanbase), query_timeout):
                         cur.execute(statement)
             finally:
                 cur.close()
@@ -310,6 +443,38 @@ class MysqlBackend(SqlBackend):
             if code in TRANSACTION_ABORT_CODES:
                 ctx.is_disconnect = True
                 ctx.invalidate_pool_on_disconnect = False
+
+    def dispose(self) -> None:
+        """Close the pooled connections of both engines (each with a goodbye to the server).
+
+        The pools are kept, as ``warm.py`` does: ``engine.dispose()`` would also build a new
+        pool, about 0.7 ms of CPU in a Worker about to exit, and make the next connection of a
+        backend still in use initialise the dialect again. Connections checked out right now
+        are not closed, as with ``engine.dispose()``."""
+        self.engine.pool.dispose()
+        if self.read_engine is not self.engine:
+            self.read_engine.pool.dispose()
+
+    def _learn_server(self, version: str) -> None:
+        self._oceanbase = "oceanbase" in version.lower()
+        self._isolation_var = _isolation_variable(version)
+
+    def _session_settings(self, autocommit: bool, info: dict[str, Any]) -> str:
+        """The settings of the one ``SET`` that prepares a new session: UTC session time, READ
+        COMMITTED and autocommit off (autocommit on for the host's read engine), the control
+        backend's statement limits, and for a Worker the bound of its fenced transactions."""
+        settings = ["time_zone = '+00:00'"]  # database time is naive UTC
+        if autocommit:
+            settings.append("autocommit = 1")
+        else:
+            settings += [f"{self._isolation_var} = 'READ-COMMITTED'", "autocommit = 0"]
+        query_timeout = self.limits.query_timeout if self.limits else 0
+        if query_timeout > 0:
+            settings += _limit_settings(bool(self._oceanbase), query_timeout)
+        if self._bound_at_connect and self._oceanbase and self.fence_timeout > 0 and not autocommit:
+            settings.append(f"ob_trx_timeout = {int(self.fence_timeout * 1_000_000)}")
+            info["apsup_bounded"] = True
+        return ", ".join(settings)
 
     def read(self) -> AbstractContextManager[Connection]:
         if self.read_engine is self.engine:
@@ -329,12 +494,17 @@ class MysqlBackend(SqlBackend):
 
     def _bound(self, conn: Connection) -> None:
         """Bound this session's transactions (OceanBase) before the Lease row is locked."""
-        if self.fence_timeout <= 0:
-            return
         info = conn.connection.info
-        if info.get("apsup_oceanbase") and not info.get("apsup_bounded"):
-            conn.exec_driver_sql(f"SET ob_trx_timeout = {int(self.fence_timeout * 1_000_000)}")
+        bound = self._unbounded(info)
+        if bound is not None:
+            conn.exec_driver_sql(bound)
             info["apsup_bounded"] = True
+
+    def _unbounded(self, info: dict[str, Any]) -> str | None:
+        """The ``SET`` that bounds this session's transactions, if it still needs one."""
+        if self.fence_timeout <= 0 or not info.get("apsup_oceanbase") or info.get("apsup_bounded"):
+            return None
+        return f"SET ob_trx_timeout = {int(self.fence_timeout * 1_000_000)}"
 
     def _is_transient(self, exc: DBAPIError) -> bool:
         return _error_code(exc) in TRANSIENT_CODES
@@ -356,6 +526,149 @@ class MysqlBackend(SqlBackend):
         row = read_lease(conn, term.supervisor_key, for_update=True)
         # Expiry is evaluated only now that the row lock is held (NOW(6) includes lock wait).
         validate(row, term, self._db_now(conn))
+
+    # -- the Worker wrapper's duplicate check and acknowledgment: PyMySQL on the pooled
+    # connection, no SQLAlchemy Core ------------------------------------------------------
+    # In a freshly forked Worker, SQLAlchemy's per-transaction machinery (connection wrapper,
+    # events, result objects, the compiled-statement cache) runs on copy-on-write pages; the
+    # same statements on the DBAPI connection cost a fraction of it. Same connection (from the
+    # same pool, so a processor's own ``ctx.fenced()`` reuses it), same fence: the Lease row is
+    # locked FOR UPDATE, holder and generation are checked, and expiry is judged on database
+    # time evaluated after the lock is held: inside the acknowledging UPDATE itself, whose
+    # ``UTC_TIMESTAMP(6)`` is fixed when that statement starts, i.e. after the locking SELECT
+    # returned (one round trip fewer than a separate ``SELECT UTC_TIMESTAMP(6)``).
+    def _dbapi_path(self) -> bool:
+        return self._session_init and DBAPI_PATH
+
+    @contextmanager
+    def _dbapi(self) -> Iterator[tuple[Any, dict[str, Any]]]:
+        """The pooled PyMySQL connection and its record's ``info``. The body ends its own
+        transaction; after a driver error the connection is discarded (its transaction state is
+        unknown: 1213 rolled back everything, 1205 only the statement), after any other error
+        it is rolled back, and the error is raised as SQLAlchemy would wrap it (``DBAPIError``,
+        parameters hidden), so callers and the retry loop see the same exceptions."""
+        from pymysql.err import Error as DriverError
+
+        fairy = self.engine.raw_connection()
+        dbapi_conn: Any = fairy.driver_connection
+        try:
+            yield dbapi_conn, fairy.info
+            fairy.info[_TXN_OPEN] = False  # ended here: the pool needs no ROLLBACK
+        except DriverError as exc:
+            fairy.invalidate(exc)
+            raise self._wrapped(exc) from exc
+        except BaseException as exc:
+            try:
+                dbapi_conn.rollback()
+                fairy.info[_TXN_OPEN] = False
+            except Exception:
+                fairy.invalidate(exc)
+            raise
+        finally:
+            fairy.close()
+
+    def read_intent(self, binding: str, scope_id: str) -> Intent | None:
+        # The host's dispatch read and exit classification (twice per invocation): one
+        # statement on the autocommit read engine's PyMySQL connection is one snapshot, like
+        # the Core read, without SQLAlchemy's result machinery. Time limits are the session's.
+        if not self._dbapi_path() or self.read_engine is self.engine:
+            return super().read_intent(binding, scope_id)
+        from pymysql.err import Error as DriverError
+
+        fairy = self.read_engine.raw_connection()
+        try:
+            cur = fairy.driver_connection.cursor()  # type: ignore[union-attr]
+            cur.execute(_INTENT_SQL, (binding.encode(), scope_id.encode()))
+            row = cur.fetchone()
+            cur.close()
+        except DriverError as exc:
+            fairy.invalidate(exc)  # the session's state is unknown after a failed statement
+            raise self._wrapped(exc) from exc
+        except BaseException as exc:
+            fairy.invalidate(exc)
+            raise
+        finally:
+            fairy.close()
+        if row is None:
+            return None
+        return Intent(row[0].decode(), row[1].decode(), *map(int, row[2:]))
+
+    def _wrapped(self, exc: Exception) -> BaseException:
+        """A PyMySQL error as SQLAlchemy raises it (a ``DBAPIError`` subclass; parameters
+        hidden: they hold Scope ids)."""
+        from pymysql.err import Error as DriverError
+
+        return DBAPIError.instance(
+            None, None, exc, DriverError, hide_parameters=True, dialect=self.engine.dialect
+        )
+
+    def handled_generation(self, binding: str, scope_id: str) -> int:
+        if not self._dbapi_path():
+            return super().handled_generation(binding, scope_id)
+        # A Worker invocation: its session will lock the Lease row (acknowledgment, a
+        # processor's ``ctx.fenced()``), so bound it at connect, not in a statement of its own.
+        self._bound_at_connect = True
+        with self._dbapi() as (dbapi_conn, info):
+            cur = dbapi_conn.cursor()
+            cur.execute(_HANDLED_SQL, (binding.encode(), scope_id.encode()))
+            row = cur.fetchone()
+            if not info.get("apsup_oceanbase"):
+                # MySQL opens a transaction for this read (and keeps a metadata lock until it
+                # ends): end it before the processor runs. OceanBase opens none for a plain
+                # read under READ COMMITTED (its session shows no transaction until the first
+                # locking statement), so there is nothing to end and no round trip to spend.
+                dbapi_conn.commit()
+        return 0 if row is None else int(row[0])
+
+    def acknowledge_fenced(
+        self, term: Term, binding: str, scope_id: str, generation: int, pending_sequence: int
+    ) -> bool:
+        if not self._dbapi_path():
+            return super().acknowledge_fenced(term, binding, scope_id, generation, pending_sequence)
+        key = (binding.encode(), scope_id.encode())
+
+        def attempt() -> bool:
+            with self._dbapi() as (dbapi_conn, info):
+                cur = dbapi_conn.cursor()
+                bound = self._unbounded(info)
+                if bound is not None:
+                    cur.execute(bound)
+                    info["apsup_bounded"] = True
+                cur.execute(_LEASE_LOCK_SQL, (term.supervisor_key.encode(),))
+                found = cur.fetchone()
+                lease = None
+                if found is not None:
+                    lease = LeaseRow(term.supervisor_key, found[0], int(found[1]), found[2])
+                validate(lease, term, None)  # holder and generation; expiry on database time:
+                assert lease is not None
+                params: list[Any] = [generation, *key, generation, generation, pending_sequence]
+                statement = _ACK_SQL
+                if lease.expires_at is not None:
+                    statement += _UNEXPIRED
+                    params.append(lease.expires_at)
+                moved = cur.execute(statement, params) == 1
+                if not moved:  # expired, already handled, or an error (as intents.acknowledge)
+                    cur.execute("SELECT UTC_TIMESTAMP(6)")
+                    validate(lease, term, cur.fetchone()[0])
+                    cur.execute(_ROW_SQL, key)
+                    row = cur.fetchone()
+                    if row is None or int(row[2]) != pending_sequence:
+                        raise IntentError(
+                            f"scope {scope_id!r} of {binding!r} no longer has the claimed "
+                            "intent row"
+                        )
+                    if int(row[1]) < generation:
+                        raise IntentError(
+                            f"cannot acknowledge generation {generation} above requested "
+                            f"{int(row[1])}"
+                        )
+                dbapi_conn.commit()
+                return moved
+
+        # Lock waits and deadlocks retry the whole transaction, as every fenced write does; a
+        # retry after a COMMIT of unknown outcome is safe here (the acknowledgment is
+        # idempotent and fenced again), and a lost connection (2013) is never retried.
+        return self._retrying(attempt)
 
     def claim_term(self, key: str, holder_id: str, lease_seconds: float) -> Term | None:
         """Take the Lease if it is free or expired; takeover always increments generation.
