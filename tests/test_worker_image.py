@@ -1,6 +1,7 @@
 """The forkserver ``build_host`` starts prepares its memory for forking (``apsup.workers.warm``).
 
-Its preloaded objects are frozen out of the garbage collector (a Worker's collections never walk
+It runs the async Worker's event-loop machinery once (closing every loop, starting no thread),
+its preloaded objects are frozen out of the garbage collector (a Worker's collections never walk
 them) and its heap is trimmed and collapsed into huge pages where the kernel allows. The host
 process imports the same module and must do none of it: a frozen host would never collect the
 garbage cycles it creates later. Workers forked from the prepared image still run and
@@ -40,7 +41,10 @@ def test_forkserver_image_is_frozen_and_the_host_is_not(db_url: str, tmp_path: P
                 assert exits[0].exitcode == ExitCode.SUCCESS, exits[0].reason
     finally:
         pool.close()
-    frozen, pid = (int(x) for x in report.read_text().split())
+    frozen, pid, threads, loop_set = (int(x) for x in report.read_text().split())
     assert pid != os.getpid()
     assert frozen > 1000, "the forkserver did not freeze its preloaded objects"
+    # The event-loop warm-up ran and left nothing a fork must not copy.
+    assert threads == 1, "the forkserver's warm-up left a thread behind"
+    assert loop_set == 0, "the forkserver's warm-up left an event loop set"
     assert gc.get_freeze_count() == 0

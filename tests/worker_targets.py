@@ -42,10 +42,18 @@ def ok(payload: bytes) -> int:
 
 
 def report_gc_freeze(payload: bytes) -> int:
-    """Write this Worker's frozen-object count (inherited from the forkserver) and pid."""
+    """Write this Worker's frozen-object count (inherited from the forkserver), its pid, its
+    thread count and whether an event loop is set (both inherited from the forkserver's warm-up,
+    which must leave neither)."""
+    import asyncio
     import gc
+    import threading
 
-    _write(payload.decode(), f"{gc.get_freeze_count()} {os.getpid()}")
+    loop_set = asyncio.get_event_loop_policy()._local._loop is not None  # type: ignore[attr-defined]
+    _write(
+        payload.decode(),
+        f"{gc.get_freeze_count()} {os.getpid()} {threading.active_count()} {int(loop_set)}",
+    )
     return 0
 
 

@@ -72,6 +72,31 @@ def warm(url: str) -> None:
     backend.engine.pool.dispose()
 
 
+async def _nothing() -> None:
+    return None
+
+
+def warm_event_loop(rounds: int = 20) -> None:
+    """Run the async Worker's machinery (a new loop, a task, the wrapper's closing coroutine) a
+    few times, then close every loop: an ``async def`` processor's Worker then starts from code
+    CPython 3.11 has already specialised (its first runs write into the code objects: a copied
+    page each in every Worker), ~0.5 ms CPU and ~150 copied pages less per async invocation.
+    Nothing survives: each loop is closed (its selector and self-pipe with it) and no executor
+    thread is ever started, so the forkserver still has no loop and no thread to fork."""
+    import asyncio
+
+    from apsup.workers.invoke import _run_async
+
+    for _ in range(rounds):
+        loop = asyncio.new_event_loop()
+        try:
+            asyncio.set_event_loop(loop)
+            loop.run_until_complete(loop.create_task(_run_async(_nothing())))
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()
+
+
 # madvise(2): collapse the range into transparent huge pages now (Linux >= 6.1).
 _MADV_COLLAPSE = 25
 _HUGE = 2 << 20
@@ -155,5 +180,7 @@ if _path is not None:
     if _url:
         with contextlib.suppress(Exception):  # a cold engine is slower, never wrong
             warm(_url)
+    with contextlib.suppress(Exception):  # a cold event loop is slower, never wrong
+        warm_event_loop()
     with contextlib.suppress(Exception):  # an unprepared image is slower, never wrong
         prepare_image()
