@@ -10,8 +10,9 @@ carry it (a Worker of a deleted incarnation cannot acknowledge its successor).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import (
     BindParameter,
@@ -358,6 +359,22 @@ def _raise_pair(
     if getattr(row, upper) < target:
         raise IntentError(error.format(target=target, upper=getattr(row, upper)))
     return False
+
+
+def check_unmoved_acknowledgment(
+    row: Sequence[Any] | None, binding: str, scope_id: str, generation: int, pending_sequence: int
+) -> None:
+    """Why a driver-level acknowledgment's conditional UPDATE moved no row, as
+    :func:`acknowledge` decides it: ``row`` is ``(handled_generation, requested_generation,
+    pending_sequence)`` read in the same transaction, or None. Returns when the generation was
+    simply handled already; raises ``IntentError`` when the claimed row is gone or recreated, or
+    the generation was never requested."""
+    if row is None or int(row[2]) != pending_sequence:
+        raise IntentError(f"scope {scope_id!r} of {binding!r} no longer has the claimed intent row")
+    if int(row[1]) < generation:
+        raise IntentError(
+            f"cannot acknowledge generation {generation} above requested {int(row[1])}"
+        )
 
 
 def acknowledge(

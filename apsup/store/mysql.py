@@ -57,9 +57,9 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.engine.default import DefaultDialect
 from sqlalchemy.exc import DBAPIError, DisconnectionError, IntegrityError
 
-from apsup.errors import ConfigError, IntentError
+from apsup.errors import ConfigError
 from apsup.store.base import SqlBackend
-from apsup.store.intents import Intent
+from apsup.store.intents import Intent, check_unmoved_acknowledgment
 from apsup.store.leases import (
     GLOBAL_KEY,
     INVALIDATED,
@@ -652,16 +652,9 @@ class MysqlBackend(SqlBackend):
                     validate(lease, term, cur.fetchone()[0])
                     cur.execute(_ROW_SQL, key)
                     row = cur.fetchone()
-                    if row is None or int(row[2]) != pending_sequence:
-                        raise IntentError(
-                            f"scope {scope_id!r} of {binding!r} no longer has the claimed "
-                            "intent row"
-                        )
-                    if int(row[1]) < generation:
-                        raise IntentError(
-                            f"cannot acknowledge generation {generation} above requested "
-                            f"{int(row[1])}"
-                        )
+                    check_unmoved_acknowledgment(
+                        row, binding, scope_id, generation, pending_sequence
+                    )
                 dbapi_conn.commit()
                 return moved
 

@@ -29,9 +29,9 @@ from sqlalchemy import Connection, create_engine, event, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
-from apsup.errors import ConfigError, IntentError
+from apsup.errors import ConfigError
 from apsup.store.base import SqlBackend
-from apsup.store.intents import Intent
+from apsup.store.intents import Intent, check_unmoved_acknowledgment
 from apsup.store.leases import (
     INVALIDATED,
     LeaseRow,
@@ -396,16 +396,9 @@ class SqliteBackend(SqlBackend):
                 moved = dbapi_conn.execute(_ACK_SQL, params).rowcount == 1
                 if not moved:  # as intents.acknowledge: already handled, or an error
                     row = dbapi_conn.execute(_HANDLED_SQL, key).fetchone()
-                    if row is None or int(row[2]) != pending_sequence:
-                        raise IntentError(
-                            f"scope {scope_id!r} of {binding!r} no longer has the claimed "
-                            "intent row"
-                        )
-                    if int(row[1]) < generation:
-                        raise IntentError(
-                            f"cannot acknowledge generation {generation} above requested "
-                            f"{int(row[1])}"
-                        )
+                    check_unmoved_acknowledgment(
+                        row, binding, scope_id, generation, pending_sequence
+                    )
                 dbapi_conn.execute("COMMIT")
             finally:
                 if dbapi_conn.in_transaction:
