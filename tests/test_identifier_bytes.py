@@ -25,8 +25,8 @@ from apsup.store.schema import intents as intents_table
 
 pytestmark = pytest.mark.timeout(180)
 
-#: The revisions before byte-exact identifiers (apsup_0005): the families' head.
-BEFORE = "apsup_0004"  # families head; the framework stays at apsup_0001
+#: The revisions before byte-exact identifiers (apsup_0005 and, for principals, apsup_0006).
+BEFORE = "apsup_0004"  # the families branch before 0006; the framework stays at apsup_0001
 
 _CHARS = st.characters(
     codec="utf-8", exclude_categories=("Cs",), min_codepoint=32, exclude_characters="\x7f"
