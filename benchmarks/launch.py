@@ -66,8 +66,13 @@ for _ in range(n):
     os.waitpid(pid, 0)
 print((cpu() - c0) / n, (time.perf_counter() - t0) / n, rss)
 """
-#: What a Worker's image holds: apsup's Worker wrapper and both backends' drivers.
-WORKER_IMAGE = "import apsup.workers.invoke, apsup.store.sqlite, apsup.store.mysql, orjson"
+#: What a Worker's image holds: apsup's Worker wrapper and both backends' drivers, prepared for
+#: forking as the forkserver prepares it (frozen collector, trimmed heap, huge pages).
+WORKER_IMAGE = (
+    "import apsup.workers.invoke, apsup.store.sqlite, apsup.store.mysql, orjson\n"
+    "from apsup.workers.warm import prepare_image\n"
+    "prepare_image()"
+)
 
 
 @dataclass
