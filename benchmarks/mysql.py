@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dispatch import wake_at_last_exit
 from intake import mysql_url
 
 REPO = Path(__file__).resolve().parent.parent
@@ -296,18 +297,7 @@ def drain(
     cpu0, srv0 = own_cpu(), cpu_seconds(server_pid)
     bundle = build_host(url, [fam], shutdown_grace=5.0)
     host, sup = bundle.host, bundle.host.supervisors[0]
-    classify = sup.on_exit
-
-    def on_exit(ex: object) -> None:
-        # Stop the clock at the last exit: the cycle that classifies it would otherwise sleep
-        # until its next timer (on SQLite the control file watch, up to 1 s; on MySQL the next
-        # poll, 0.1 s) before the loop below sees the count, and that idle tail, different per
-        # backend, was measured as drain time (SQLite's runs ended on whole seconds: 99.8/s).
-        classify(ex)  # type: ignore[arg-type]
-        if sup.completed[fam.name] + sup.failed[fam.name] >= n:
-            host.wake()
-
-    sup.on_exit = on_exit  # type: ignore[method-assign]
+    wake_at_last_exit(host, fam.name, n)  # the idle tail differed per backend
     counter = StatementCounter(kind)
     for engine in host_engines(host.backend):
         counter.attach(engine)
@@ -464,7 +454,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--idle", type=float, default=20.0, help="seconds per idle window")
     parser.add_argument("--skip-drain", action="store_true")
     parser.add_argument("--skip-wake", action="store_true")
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "mysql.md"))
+    parser.add_argument(
+        "--out",
+        default=str(REPO / "benchmarks" / "results" / "mysql.md"),
+        help="Markdown result file ('-' or '': none)",
+    )
     args = parser.parse_args(argv)
 
     started = time.perf_counter()
@@ -513,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(text_out)
     print(f"total benchmark time: {time.perf_counter() - started:.0f} s")
-    if args.out:
+    if args.out and args.out != "-":
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text_out)
         plot_results(Path(args.out), runs)
