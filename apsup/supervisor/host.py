@@ -19,7 +19,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import FrameType
 
@@ -432,7 +432,7 @@ class Host:
         end = None if timeout is None else time.monotonic() + timeout
         # A launched Worker's pid arriving needs no cycle: the pool reads it and the wait goes
         # on (with its deadline now among the pool's), until anything else is ready.
-        while (ready := wait(objects, timeout)) and self.pool.settle_launches(ready):
+        while (ready := wait(objects, timeout)) and self._settled(ready):
             due = self.pool.next_deadline()
             now = time.monotonic()
             timeout = None if end is None else max(0.0, end - now)
@@ -443,6 +443,17 @@ class Host:
         with contextlib.suppress(OSError):
             while os.read(self._wake_r, 512):
                 pass
+
+    def _settled(self, ready: Iterable[int]) -> bool:
+        """``pool.settle_launches`` inside the wait, guarded like every stage of a cycle: on an
+        error the wait ends and the next cycle's guarded ``poll`` handles those fds."""
+        try:
+            return self.pool.settle_launches(ready)
+        except Exception as exc:
+            log.error(
+                "host step failed", extra={"stage": "settle", "exception_type": type(exc).__name__}
+            )
+            return False
 
     def _timeout(self) -> float | None:
         candidates: list[float] = []
