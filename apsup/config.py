@@ -62,6 +62,7 @@ from apsup.registry import (
 )
 from apsup.store import backend_kind, redact_url
 from apsup.store.limits import CONNECT_TIMEOUT, READ_TIMEOUT, explicit, parse_limits
+from apsup.supervisor.lease_keeper import default_renew_deadline
 
 __all__ = [
     "ALIASES",
@@ -89,6 +90,7 @@ GLOBAL_KEYS = (
     "HTTP_PORT",
     "LEASE_SECONDS",
     "RENEW_SECONDS",
+    "RENEW_DEADLINE_SECONDS",
     "POLL_SECONDS",
     "SHUTDOWN_GRACE_SECONDS",
     "SHUTDOWN_DRAIN_SECONDS",
@@ -307,6 +309,9 @@ class Settings:
     ignored: list[str] = field(default_factory=list)
     #: After SIGTERM, running Workers may finish for this long before they are stopped.
     shutdown_drain_seconds: float = 30.0
+    #: A leader that has not renewed for this long steps down (< LEASE_SECONDS); 0: the
+    #: default, two thirds of the Lease (``apsup.supervisor.lease_keeper``).
+    renew_deadline_seconds: float = 0.0
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -361,8 +366,8 @@ class Settings:
         lease = r.parse("LEASE_SECONDS", positive, "a number of seconds > 0 and <= 3600") or 15.0
         src("lease_seconds", "LEASE_SECONDS")
         renew = r.parse("RENEW_SECONDS", positive, "a number of seconds > 0 and <= 3600")
-        # The host gives a term up when its renewal is late by 0.8 x the lease; a renewal that
-        # fails once must leave room for the next one before that, hence at most a third.
+        # The host gives a term up at its renew deadline (default two thirds of the lease); a
+        # renewal that fails once must leave room for the next one before that: at most a third.
         if renew is not None and renew > lease / 3 * (1 + 1e-9):
             r.fail(
                 "RENEW_SECONDS",
@@ -372,6 +377,19 @@ class Settings:
             )
         renew = lease / 3 if renew is None else renew
         src("renew_seconds", "RENEW_SECONDS")
+        deadline = r.parse(
+            "RENEW_DEADLINE_SECONDS", positive, "a number of seconds > 0 and <= 3600"
+        )
+        if deadline is not None and not renew < deadline < lease:
+            r.fail(
+                "RENEW_DEADLINE_SECONDS",
+                f"must lie strictly between RENEW_SECONDS ({renew:g}s) and LEASE_SECONDS "
+                f"({lease:g}s), got {deadline:g}s: a leader must give up before its Lease runs "
+                "out, and get a renewal attempt in before that",
+            )
+            deadline = None
+        deadline = default_renew_deadline(lease) if deadline is None else deadline
+        src("renew_deadline_seconds", "RENEW_DEADLINE_SECONDS")
         _check_limits_against_lease(r, database_url, backend, lease)
         poll = r.parse("POLL_SECONDS", positive, "a number of seconds > 0 and <= 3600") or 2.0
         src("poll_seconds", "POLL_SECONDS")
@@ -409,6 +427,7 @@ class Settings:
             http_port=http_port,
             lease_seconds=lease,
             renew_seconds=renew,
+            renew_deadline_seconds=deadline,
             poll_seconds=poll,
             shutdown_grace_seconds=10.0 if grace is None else grace,
             shutdown_drain_seconds=30.0 if drain is None else drain,
@@ -457,6 +476,7 @@ class Settings:
             "http": {"host": self.http_host, "port": self.http_port},
             "lease_seconds": self.lease_seconds,
             "renew_seconds": self.renew_seconds,
+            "renew_deadline_seconds": self.renew_deadline_seconds,
             "poll_seconds": self.poll_seconds,
             "shutdown_grace_seconds": self.shutdown_grace_seconds,
             "shutdown_drain_seconds": self.shutdown_drain_seconds,

@@ -37,5 +37,10 @@ class BackendError(ApsupError):
     """The database backend failed in a way that is not a term loss (retries exhausted, ...)."""
 
 
+class DeadlinePassed(BackendError):
+    """A database call of a leader would outlive the time left on its Lease: not attempted (or
+    cut short), so the loop reaches its step-down instead of waiting on the database."""
+
+
 class HostConflictError(ApsupError):
     """Another host already runs on this SQLite database (multi-process SQLite is unsupported)."""

@@ -51,6 +51,9 @@ def test_documented_defaults_are_the_defaults(tmp_path: Path, monkeypatch: Any) 
         elif name == "RENEW_SECONDS":
             assert settings.renew_seconds == settings.lease_seconds / 3
             assert "LEASE_SECONDS / 3" in cell
+        elif name == "RENEW_DEADLINE_SECONDS":
+            assert settings.renew_deadline_seconds == settings.lease_seconds * 2 / 3
+            assert "LEASE_SECONDS x 2/3" in cell
         elif name == "IGNORE_KEYS":
             assert settings.ignored == [] and cell.startswith("unset")
         else:

@@ -1,9 +1,11 @@
 """Lease timing that would churn leadership is refused at configuration time.
 
-The host gives up a term whose renewal is late by 0.8 x the lease, so a renewal interval close
-to the lease (e.g. lease 1 s, renew 0.9 s) lost leadership every few seconds and SIGTERMed every
-Worker each time. ``RENEW_SECONDS`` must be at most a third of ``LEASE_SECONDS`` (a failed
-renewal still leaves time for the next one); the default is exactly a third.
+The host gives up a term at its renew deadline (two thirds of the lease by default), so a
+renewal interval close to the lease (e.g. lease 1 s, renew 0.9 s) would lose leadership every
+few seconds and SIGTERM every Worker each time. ``RENEW_SECONDS`` must be at most a third of
+``LEASE_SECONDS`` (a failed renewal still leaves time for the next one); the default is exactly
+a third. The renew deadline itself must lie strictly between the renewal interval and the
+lease.
 """
 
 from __future__ import annotations
@@ -52,3 +54,24 @@ def test_safe_lease_timing_is_accepted(lease: str, renew: str | None, effective:
     out = check_config(**values)
     assert out.returncode == 0, out.stderr
     assert f"renew_seconds = {effective}" in out.stdout + out.stderr, out.stdout
+
+
+@pytest.mark.parametrize(("deadline"), ["1", "3", "0.5", "4", "nan"])
+def test_a_renew_deadline_outside_renewal_and_lease_is_refused(deadline: str) -> None:
+    out = check_config(LEASE_SECONDS="3", RENEW_SECONDS="1", RENEW_DEADLINE_SECONDS=deadline)
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = [line for line in out.stderr.splitlines() if "RENEW_DEADLINE_SECONDS" in line]
+    assert len(lines) == 1, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(("deadline", "effective"), [(None, "6"), ("4", "4"), ("8.5", "8.5")])
+def test_a_renew_deadline_between_renewal_and_lease_is_accepted(
+    deadline: str | None, effective: str
+) -> None:
+    values = {"LEASE_SECONDS": "9"}
+    if deadline is not None:
+        values["RENEW_DEADLINE_SECONDS"] = deadline
+    out = check_config(**values)
+    assert out.returncode == 0, out.stderr
+    assert f"renew_deadline_seconds = {effective}" in out.stdout + out.stderr, out.stdout

@@ -264,6 +264,9 @@ class _WorkerProcess(ForkServerProcess):  # type: ignore[misc]
 
 
 _active_lock = threading.Lock()
+#: Held while a pidfd is closed, and while another thread signals through pidfds, so that
+#: thread never signals through a number the owner just closed (and the kernel reused).
+_PIDFD_LOCK = threading.Lock()
 _active: tuple[int, WorkerPool] | None = None
 
 
@@ -694,10 +697,25 @@ class WorkerPool:
 
     @staticmethod
     def _close_pidfd(h: WorkerHandle) -> None:
-        if h.pidfd is not None:
-            with contextlib.suppress(OSError):
-                os.close(h.pidfd)
-            h.pidfd = None
+        with _PIDFD_LOCK:  # never while another thread signals through it (``signal_from``)
+            if h.pidfd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(h.pidfd)
+                h.pidfd = None
+
+    def signal_from_thread(self, worker_ids: Iterable[str], sig: int) -> int:
+        """Signal these Workers' process groups from a thread other than the owner's (the
+        lease watchdog, while the owner's loop may be blocked). Only signals: the owner's next
+        :meth:`poll` or :meth:`terminate` does the accounting. Returns how many were signalled.
+        """
+        wanted = set(worker_ids)
+        sent = 0
+        with _PIDFD_LOCK:
+            for h in list(self._handles.values()):
+                if h.worker_id in wanted and h.pid > 0 and not (h.status_lost or h.reaped):
+                    self._signal_group(h, sig)
+                    sent += 1
+        return sent
 
     # --- observing ---------------------------------------------------------------------------
 

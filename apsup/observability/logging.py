@@ -174,6 +174,12 @@ def exception_fields(exc: BaseException, limit: int = MAX_EXCEPTION_MESSAGE) -> 
     return {"exception_type": name, "error": exception_message(exc, limit)}
 
 
+def error_fields(exc: BaseException, limit: int = MAX_EXCEPTION_MESSAGE) -> dict[str, str]:
+    """The fields every failure log record carries: ``exception_type`` (the class name) and
+    ``error`` (its redacted, length-capped message), so a log says why, not only what."""
+    return {"exception_type": type(exc).__name__, "error": exception_message(exc, limit)}
+
+
 _CAUSE = "\nThe above exception was the direct cause of the following exception:\n\n"
 _CONTEXT = "\nDuring handling of the above exception, another exception occurred:\n\n"
 

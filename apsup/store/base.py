@@ -17,7 +17,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
-from apsup.errors import BackendError
+from apsup.errors import BackendError, DeadlinePassed
 from apsup.store import intents
 from apsup.store.leases import LeaseRow, Term, all_leases, invalidate, read_lease, validate
 
@@ -51,9 +51,16 @@ class SqlBackend:
     #: on attempts and retries, so no database call holds the host loop for long. ``None``
     #: (Workers, CLI): only the attempt count bounds it.
     retry_budget: float | None = None
+    #: Monotonic instant no call of this backend may outlive (the host sets it to its term's
+    #: renew deadline while it leads; ``apsup.supervisor.lease_keeper``). ``None``: the
+    #: static limits alone bound a call.
+    call_deadline: float | None = None
 
     def __init__(self, url: str) -> None:
         self.url = url
+        #: Per key, how long the Lease a refused ``claim_term`` met had left (database time):
+        #: a standby tries again right when it runs out instead of a renewal interval later.
+        self.held_for: dict[str, float] = {}
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.describe()}>"
@@ -131,9 +138,21 @@ class SqlBackend:
         with self.fenced(term) as conn:
             return intents.acknowledge(conn, binding, scope_id, generation, pending_sequence)
 
+    def time_left(self) -> float | None:
+        """Seconds left before ``call_deadline``; raises ``DeadlinePassed`` once it passed."""
+        deadline = self.call_deadline
+        if deadline is None:
+            return None
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlinePassed(f"{self.name}: the leader's renew deadline passed; not calling")
+        return left
+
     def _retrying(self, body: Callable[[], T]) -> T:
         delay = 0.02
         budget_end = None if self.retry_budget is None else time.monotonic() + self.retry_budget
+        if self.call_deadline is not None:
+            budget_end = min(budget_end or self.call_deadline, self.call_deadline)
         for attempt in range(1, MAX_ATTEMPTS + 1):
             try:
                 return body()

@@ -57,7 +57,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.engine.default import DefaultDialect
 from sqlalchemy.exc import DBAPIError, DisconnectionError, IntegrityError
 
-from apsup.errors import ConfigError
+from apsup.errors import ConfigError, DeadlinePassed
 from apsup.store.base import SqlBackend
 from apsup.store.intents import Intent, check_unmoved_acknowledgment
 from apsup.store.leases import (
@@ -118,6 +118,8 @@ def _error_code(exc: DBAPIError) -> int | None:
 
 
 _NAMES_SENT = "_apsup_names_sent"
+#: Set on a PyMySQL connection whose timeouts were cut to a leader's deadline.
+_CUT = "_apsup_deadline_cut"
 _SESSION_SQL = "_apsup_session_sql"
 _tls_lock = threading.Lock()
 _preferred_tls: Any = None  # PyMySQL's context for "TLS if the server offers it", once per process
@@ -366,8 +368,14 @@ class MysqlBackend(SqlBackend):
             if control:
                 # PyMySQL reads the server's greeting under read_timeout: bound the whole
                 # handshake by connect_timeout instead, then restore the statement bound (a
-                # private attribute: PyMySQL has no public setter).
-                cparams["read_timeout"] = limits.connect_timeout
+                # private attribute: PyMySQL has no public setter). A leader's connect also
+                # ends by its renew deadline.
+                left = self.time_left()
+                bound = limits.connect_timeout
+                if left is not None:
+                    bound = min(bound, left)
+                cparams["read_timeout"] = bound
+                cparams["connect_timeout"] = bound
             if not session_init or pymysql_class is None:
                 factory = pymysql_class or dialect.loaded_dbapi.connect
                 conn = factory(*cargs, **cparams)
@@ -408,6 +416,20 @@ class MysqlBackend(SqlBackend):
             rec.info["apsup_oceanbase"] = self._oceanbase
             return conn
 
+        if control:
+            # A leader's calls end by its renew deadline (``SqlBackend.call_deadline``): every
+            # checkout and statement cuts PyMySQL's read/write timeouts to the time left, so a
+            # call into a black hole returns when the term can no longer act, not later.
+            @event.listens_for(engine, "checkout")
+            def _bound_checkout(dbapi_conn: Any, rec: Any, proxy: Any) -> None:
+                self._cut_timeouts(dbapi_conn, limits, strict=False)
+
+            @event.listens_for(engine, "before_cursor_execute")
+            def _bound_statement(
+                conn: Any, cursor: Any, statement: Any, params: Any, ctx: Any, many: Any
+            ) -> None:
+                self._cut_timeouts(getattr(cursor, "connection", None), limits, strict=True)
+
         @event.listens_for(engine, "connect")
         def _on_connect(dbapi_conn: Any, rec: Any) -> None:
             if session_init:
@@ -443,6 +465,28 @@ class MysqlBackend(SqlBackend):
             if code in TRANSACTION_ABORT_CODES:
                 ctx.is_disconnect = True
                 ctx.invalidate_pool_on_disconnect = False
+
+    def _cut_timeouts(self, dbapi_conn: Any, limits: DbLimits, *, strict: bool) -> None:
+        """Set PyMySQL's per-read/write timeouts to the time left before ``call_deadline`` (the
+        configured limit when none is set). ``strict``: raise ``DeadlinePassed`` when no time is
+        left (before a statement; a checkout only shortens the bound)."""
+        if dbapi_conn is None or not hasattr(dbapi_conn, "_read_timeout"):
+            return
+        deadline = self.call_deadline
+        if deadline is None:
+            if dbapi_conn.__dict__.pop(_CUT, False):
+                dbapi_conn._read_timeout = limits.read_timeout
+                dbapi_conn._write_timeout = limits.read_timeout
+            return
+        left = deadline - time.monotonic()
+        if left <= 0:
+            if strict:
+                raise DeadlinePassed("mysql: the leader's renew deadline passed; not calling")
+            left = 0.001
+        bound = min(limits.read_timeout, left)
+        dbapi_conn._read_timeout = bound
+        dbapi_conn._write_timeout = bound
+        setattr(dbapi_conn, _CUT, True)
 
     def dispose(self) -> None:
         """Close the pooled connections of both engines (each with a goodbye to the server).
@@ -549,6 +593,7 @@ class MysqlBackend(SqlBackend):
         parameters hidden), so callers and the retry loop see the same exceptions."""
         from pymysql.err import Error as DriverError
 
+        self.time_left()  # a leader past its renew deadline calls nothing (raises)
         fairy = self.engine.raw_connection()
         dbapi_conn: Any = fairy.driver_connection
         try:
@@ -575,6 +620,7 @@ class MysqlBackend(SqlBackend):
             return super().read_intent(binding, scope_id)
         from pymysql.err import Error as DriverError
 
+        self.time_left()  # a leader past its renew deadline calls nothing (raises)
         fairy = self.read_engine.raw_connection()
         try:
             cur = fairy.driver_connection.cursor()  # type: ignore[union-attr]
@@ -683,7 +729,10 @@ class MysqlBackend(SqlBackend):
                 row.holder_id == INVALIDATED or row.expires_at is None or row.expires_at <= now
             )
             if not free:
+                assert row is not None and row.expires_at is not None
+                self.held_for[key] = (row.expires_at - now).total_seconds()
                 return None
+            self.held_for.pop(key, None)
             others = other_mode_keys(conn, key, for_update=True)
             refuse_mode_conflict(key, [r for r in others if is_live(r, now)])
             return take_lease(conn, key, holder_id, row, expires)

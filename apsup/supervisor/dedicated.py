@@ -99,6 +99,7 @@ def child_env(
         put("HTTP_PORT", str(supervisor_port(settings.http_port, index)))
     put("LEASE_SECONDS", _num(settings.lease_seconds))
     put("RENEW_SECONDS", _num(settings.renew_seconds))
+    put("RENEW_DEADLINE_SECONDS", _num(settings.renew_deadline_seconds))
     put("POLL_SECONDS", _num(settings.poll_seconds))
     put("SHUTDOWN_GRACE_SECONDS", _num(settings.shutdown_grace_seconds))
     put("SHUTDOWN_DRAIN_SECONDS", _num(settings.shutdown_drain_seconds))

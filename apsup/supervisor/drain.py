@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 
 from multiprocess.connection import wait
 
+from apsup.observability.logging import error_fields
+
 if TYPE_CHECKING:
     from apsup.supervisor.host import Host
 
@@ -41,15 +43,23 @@ def _renew(host: Host) -> bool:
     for sup in host.supervisors:
         if sup.term is None:
             continue
+        if host.keeper.expired(sup.key):
+            log.warning("drain ended: renew deadline passed", extra={"supervisor_key": sup.key})
+            return False
+        started = time.monotonic()
         try:
-            if not host.backend.renew_term(sup.term, host.lease.lease_seconds):
-                log.warning("drain ended: renewal refused", extra={"supervisor_key": sup.key})
-                return False
+            with host._calls_until(host.keeper.deadline(sup.key)):
+                renewed = host.backend.renew_term(sup.term, host.lease.lease_seconds)
         except Exception as exc:  # unreachable for a moment: the lease may still be valid
             log.warning(
                 "renewal during drain failed",
-                extra={"supervisor_key": sup.key, "exception_type": type(exc).__name__},
+                extra={"supervisor_key": sup.key, **error_fields(exc)},
             )
+            continue
+        if not renewed:
+            log.warning("drain ended: renewal refused", extra={"supervisor_key": sup.key})
+            return False
+        host.keeper.held(sup.key, started)
     return True
 
 

@@ -19,17 +19,19 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import FrameType
 
 from multiprocess.connection import wait
 
+from apsup.observability.logging import error_fields, exception_message
 from apsup.scheduling import Backoff
 from apsup.store import SqlBackend, intents
 from apsup.store.leases import ModeConflictError, new_holder_id
 from apsup.supervisor.control import ALL, ControlChannel
 from apsup.supervisor.drain import drain
+from apsup.supervisor.lease_keeper import LeaseKeeper, default_renew_deadline
 from apsup.supervisor.startup import configuration_problem
 from apsup.supervisor.supervisor import Supervisor
 from apsup.workers.pool import WorkerPool
@@ -50,15 +52,39 @@ STARTUP_BACKOFF = Backoff(base=STARTUP_RETRY_INITIAL, cap=STARTUP_RETRY_MAX, jit
 POLL_FAST_SECONDS = 0.1
 POLL_HOLD_SECONDS = 3.0
 POLL_BACKOFF = 1.5
+#: A standby claims this long after the Lease it met runs out (database time), so its claim
+#: lands just after the expiry rather than just before it.
+CLAIM_SLACK_SECONDS = 0.05
 
 
 @dataclass(frozen=True)
 class LeasePolicy:
-    """Lease timing for elected backends (ignored on SQLite, whose terms never expire)."""
+    """Lease timing for elected backends (ignored on SQLite, whose terms never expire).
+
+    ``renew_deadline``: a leader that has not renewed for this long (monotonic, from the start
+    of its last successful renewal) steps down; strictly between ``renew_seconds`` and
+    ``lease_seconds`` (default two thirds of the Lease). See ``apsup.supervisor.lease_keeper``.
+    """
 
     lease_seconds: float = 15.0
     renew_seconds: float = 5.0
     poll_seconds: float = 2.0
+    renew_deadline: float | None = None
+
+    def __post_init__(self) -> None:
+        deadline = self.deadline
+        if not self.renew_seconds < deadline < self.lease_seconds:
+            raise ValueError(
+                f"renew deadline ({deadline:g}s) must lie between the renewal interval "
+                f"({self.renew_seconds:g}s) and the Lease ({self.lease_seconds:g}s)"
+            )
+
+    @property
+    def deadline(self) -> float:
+        """The effective renew deadline in seconds."""
+        if self.renew_deadline is not None:
+            return self.renew_deadline
+        return default_renew_deadline(self.lease_seconds)
 
 
 class Host:
@@ -95,7 +121,19 @@ class Host:
         self._poll_interval = POLL_FAST_SECONDS
         self._last_activity = time.monotonic()
         self._activity_mark: tuple[int, int] = (0, 0)
-        self._last_renewed: dict[str, float] = {}
+        #: Each held term's renew deadline, kept by a watchdog that steps down on time even
+        #: while this loop is blocked (elected backends; SQLite terms never expire).
+        self.keeper = LeaseKeeper(self.lease.deadline, self._deadline_passed)
+        if self.elected:
+            for sup in supervisors:
+                sup.lease_valid = functools.partial(self.keeper.valid, sup.key)
+            # A frozen leader (SIGSTOP, VM pause) inside a transaction that locks its Lease row
+            # must not keep a standby from taking over once the Lease runs out: the server ends
+            # such a transaction after the margin between renew deadline and Lease.
+            margin = max(1.0, self.lease.lease_seconds - self.lease.deadline)
+            fence = getattr(backend, "fence_timeout", None)
+            if isinstance(fence, float | int):
+                backend.fence_timeout = min(float(fence), margin) if fence > 0 else margin  # type: ignore[attr-defined]
         self._control_quiet_until = 0.0
         self._next_watch = 0.0
         #: Steps to pass before this host claims anything (the schema check when it could not
@@ -134,14 +172,61 @@ class Host:
             return  # the startup checks have not passed yet
         if self._stopping_workers(sup):
             return  # Workers of its previous term are still being stopped: no second Worker
+        started = time.monotonic()
         try:
             term = self.backend.claim_term(sup.key, self.holder_id, self.lease.lease_seconds)
         except ModeConflictError as exc:  # stay a candidate; the message says what to do
             log.warning("lease not claimed: %s", exc, extra={"supervisor_key": sup.key})
             return
         if term is not None:
-            self._last_renewed[sup.key] = time.monotonic()
-            sup.become_leader(term)  # never raises: a failed establishment is retried
+            if not self.elected:  # SQLite terms never expire: nothing to keep
+                sup.become_leader(term)
+                return
+            self.keeper.held(sup.key, started)
+            with self._calls_until(self.keeper.deadline(sup.key)):
+                sup.become_leader(term)  # never raises: a failed establishment is retried
+            return
+        # Held by another replica: try again as soon as that Lease runs out (database time),
+        # not a whole renewal interval later.
+        left = self.backend.held_for.get(sup.key)
+        if left is not None:
+            retry = time.monotonic() + max(0.0, left) + CLAIM_SLACK_SECONDS
+            self._next_renew = min(self._next_renew, retry)
+
+    @contextlib.contextmanager
+    def _calls_until(self, deadline: float | None) -> Iterator[None]:
+        """Database calls in this block end by ``deadline`` (a held term's renew deadline)."""
+        saved = self.backend.call_deadline
+        self.backend.call_deadline = deadline
+        try:
+            yield
+        finally:
+            self.backend.call_deadline = saved
+
+    def _deadline_passed(self, key: str) -> None:
+        """Watchdog thread: a term passed its renew deadline. Signal its Workers now (the loop
+        may be blocked in a database call) and wake the loop, which drops the term."""
+        for sup in self.supervisors:
+            if sup.key == key:
+                self.pool.signal_from_thread(list(sup.running), signal.SIGTERM)
+        self.wake()
+
+    def _step_down_expired(self) -> None:
+        """Drop every term past its renew deadline (stop dispatch, stop its Workers), and
+        forget the deadlines of terms the Supervisors dropped themselves."""
+        if not self.elected:
+            return
+        for sup in self.supervisors:
+            if sup.term is None:
+                if self.keeper.deadline(sup.key) is not None:
+                    self.keeper.dropped(sup.key)
+                continue
+            if self.keeper.expired(sup.key):
+                sup.lose_leadership(
+                    f"not renewed within the renew deadline ({self.lease.deadline:g}s)"
+                )
+                self.keeper.dropped(sup.key)
+                self._terminate_workers(sup)
 
     def _stopping_workers(self, sup: Supervisor) -> bool:
         """Whether Workers of ``sup`` are still being stopped (exit not confirmed yet; Workers
@@ -182,16 +267,14 @@ class Host:
     def _release(self, sup: Supervisor, reason: str) -> None:
         term = sup.term
         sup.lose_leadership(reason)
+        self.keeper.dropped(sup.key)
         self._terminate_workers(sup)
         if term is None:
             return
         try:
             self.backend.release_term(term)
         except Exception as exc:
-            log.warning(
-                "release failed",
-                extra={"supervisor_key": sup.key, "exception_type": type(exc).__name__},
-            )
+            log.warning("release failed", extra={"supervisor_key": sup.key, **error_fields(exc)})
 
     def _establish(self) -> None:
         """Retry establishment of held terms; on elected backends release a term that keeps
@@ -206,33 +289,39 @@ class Host:
             ):
                 self._release(sup, "term establishment failed repeatedly")
 
-    def _maintain_leases(self, now: float) -> None:
+    def _maintain_leases(self) -> None:
+        """Renew held terms and compete for the others, every ``renew_seconds``. A renewal's
+        calls end by its term's renew deadline; a term that misses it is dropped by the
+        watchdog's step-down, whatever the database does."""
         if not self.elected:
             return
-        for sup in self.supervisors:
-            # A renewal that is late by most of the lease means we may already be replaced.
-            late = now - self._last_renewed.get(sup.key, now) > self.lease.lease_seconds * 0.8
-            if sup.term is not None and late:
-                sup.lose_leadership("renewal late")
-                self._terminate_workers(sup)
+        self._step_down_expired()
+        now = time.monotonic()  # not the cycle's start: earlier stages may have taken a while
         if now < self._next_renew:
             return
         self._next_renew = now + self.lease.renew_seconds
         for sup in self.supervisors:
             try:
                 if sup.term is None:
-                    self._claim(sup)
-                elif self.backend.renew_term(sup.term, self.lease.lease_seconds):
-                    self._last_renewed[sup.key] = now
-                    sup.sync_clock()
-                else:
+                    with self._calls_until(None):
+                        self._claim(sup)
+                    continue
+                started = time.monotonic()
+                with self._calls_until(self.keeper.deadline(sup.key)):
+                    renewed = self.backend.renew_term(sup.term, self.lease.lease_seconds)
+                    if renewed:
+                        self.keeper.held(sup.key, started)
+                        sup.sync_clock()
+                if not renewed:
                     sup.lose_leadership("renewal refused")
+                    self.keeper.dropped(sup.key)
                     self._terminate_workers(sup)
             except Exception as exc:  # database unreachable: keep trying; standby stays healthy
                 log.warning(
                     "lease step failed",
-                    extra={"supervisor_key": sup.key, "exception_type": type(exc).__name__},
+                    extra={"supervisor_key": sup.key, **error_fields(exc)},
                 )
+        self._step_down_expired()
 
     # -- loop ---------------------------------------------------------------------------------
     def _startup(self, now: float) -> None:
@@ -261,12 +350,14 @@ class Host:
             self._startup_failures += 1
             delay = STARTUP_BACKOFF.delay(self._startup_failures)
             self._next_startup = time.monotonic() + delay
-            self.startup_error = f"starting: {stage} failed ({type(exc).__name__})"
+            self.startup_error = (
+                f"starting: {stage} failed ({type(exc).__name__}: {exception_message(exc, 120)})"
+            )
             log.warning(
                 "startup step failed; retrying",
                 extra={
                     "stage": stage,
-                    "exception_type": type(exc).__name__,
+                    **error_fields(exc),
                     "retry_count": self._startup_failures,
                     "retry_delay": round(delay, 3),
                 },
@@ -285,6 +376,7 @@ class Host:
         free). A database that does not answer yet does not end the host: the loop retries
         (``_startup``); only a configuration error raises."""
         self._startup(time.monotonic())
+        self._next_renew = time.monotonic() + self.lease.renew_seconds  # a refused claim: sooner
         for sup in self.supervisors:
             if not self.elected:
                 break  # SQLite claims in ``_startup``
@@ -292,10 +384,8 @@ class Host:
                 self._claim(sup)
             except Exception as exc:
                 log.warning(
-                    "initial claim failed",
-                    extra={"supervisor_key": sup.key, "exception_type": type(exc).__name__},
+                    "initial claim failed", extra={"supervisor_key": sup.key, **error_fields(exc)}
                 )
-        self._next_renew = time.monotonic() + self.lease.renew_seconds
         self._last_activity = time.monotonic()  # a new term: requests may be waiting already
         self._poll_interval = min(POLL_FAST_SECONDS, self.lease.poll_seconds)
         self._next_poll = time.monotonic() + self._poll_interval
@@ -312,15 +402,16 @@ class Host:
         self._guarded("exits", self._deliver_exits)
         if self.control is not None:
             self._guarded("control", self._drain_control)
+        now = time.monotonic()
         if self.elected and now >= self._next_poll:
             self._next_poll = now + self._next_poll_interval(now)
             self._guarded("poll", self._poll_requests)  # requests committed by other processes
-        self._guarded("lease", lambda: self._maintain_leases(now))
+        self._guarded("lease", self._maintain_leases)
         self._guarded("establish", self._establish)
         for sup in self.supervisors:
             # Discovery yields to the next renewal (each statement is time-limited).
             until = self._next_renew if self.elected else None
-            self._guarded("step", functools.partial(sup.step, until=until))
+            self._guarded("step", functools.partial(sup.step, until=until), key=sup.key)
             self._terminate_workers(sup)  # the step may have found the term stale
         if self.elected:
             self._note_activity()
@@ -375,15 +466,22 @@ class Host:
             sup.retry_classification()
             self._terminate_workers(sup)  # a Worker may have reported the term stale
 
-    def _guarded(self, stage: str, fn: Callable[[], object]) -> None:
+    def _guarded(self, stage: str, fn: Callable[[], object], key: str | None = None) -> None:
+        """Run one stage of a cycle: its database calls end by the renew deadline of the term
+        it serves (``key``'s, else the earliest held); terms past it are dropped after it."""
+        deadline = None
+        if self.elected:
+            deadline = self.keeper.earliest() if key is None else self.keeper.deadline(key)
         try:
-            fn()
+            with self._calls_until(deadline):
+                fn()
         except Exception as exc:
             log.error(
                 "host step failed",
-                extra={"stage": stage, "exception_type": type(exc).__name__},
+                extra={"stage": stage, **error_fields(exc)},
                 exc_info=log.isEnabledFor(logging.DEBUG),
             )
+        self._step_down_expired()
 
     def _drain_control(self) -> None:
         """Datagrams (coalesced, at most once per ``min_interval``) and the file watch."""
@@ -450,9 +548,7 @@ class Host:
         try:
             return self.pool.settle_launches(ready)
         except Exception as exc:
-            log.error(
-                "host step failed", extra={"stage": "settle", "exception_type": type(exc).__name__}
-            )
+            log.error("host step failed", extra={"stage": "settle", **error_fields(exc)})
             return False
 
     def _timeout(self) -> float | None:
@@ -468,6 +564,9 @@ class Host:
         if self.elected:
             candidates.append(self._next_renew - mono)
             candidates.append(self._next_poll - mono)
+            deadline = self.keeper.earliest()
+            if deadline is not None:
+                candidates.append(deadline - mono)
         if self.control is not None:
             candidates.append(self._next_watch - mono)
         if self.preflight or self._unclaimed:
@@ -503,10 +602,11 @@ class Host:
                     self.backend.release_term(term)
                 except Exception as exc:
                     log.warning(
-                        "release failed",
-                        extra={"supervisor_key": sup.key, "exception_type": type(exc).__name__},
+                        "release failed", extra={"supervisor_key": sup.key, **error_fields(exc)}
                     )
                 sup.term = None
+            self.keeper.dropped(sup.key)
+        self.keeper.close()
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)

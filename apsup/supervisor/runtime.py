@@ -167,6 +167,7 @@ class HostObserver:
             "supervisors": [],
             "heartbeat_age": 0.0,
         }
+        self._host: Host | None = None
         self._next_lease_read = 0.0
         self._lease_view: dict[str, tuple[str, int]] = {}
         self._lease_error: str | None = None
@@ -179,13 +180,27 @@ class HostObserver:
 
     def __call__(self, host: Host) -> None:
         self.heartbeat.beat()
+        self._host = host
         try:
             self._observe(host)
         except Exception:  # observability must never break scheduling
             log.debug("status snapshot failed", exc_info=True)
 
     def status(self) -> StatusSnapshot:
-        return self.snapshot
+        """The loop's last snapshot, with leadership judged now: a term past its renew deadline
+        is not reported as leading even while the loop is still blocked (one leader in sight)."""
+        snap, host = self.snapshot, self._host
+        if host is None or not host.elected:
+            return snap
+        sups = snap["supervisors"]
+        if not any(e["leader"] and not host.keeper.valid(e["key"]) for e in sups):
+            return snap
+        return {
+            **snap,
+            "supervisors": [
+                {**e, "leader": e["leader"] and host.keeper.valid(e["key"])} for e in sups
+            ],
+        }
 
     def _read_leases(self, host: Host, now: float) -> None:
         # Elected backends only: a cheap read of the Lease table at the renewal cadence tells a
@@ -295,7 +310,7 @@ class HostObserver:
                 )
             entry: SupervisorStatus = {
                 "key": sup.key,
-                "leader": term is not None,
+                "leader": sup.leader,
                 "holder": holder,
                 "generation": generation,
                 "families": families,
@@ -489,7 +504,9 @@ class Runtime:
         of the dedicated launcher on MySQL.
         """
         s = self.settings
-        lease = LeasePolicy(s.lease_seconds, s.renew_seconds, s.poll_seconds)
+        lease = LeasePolicy(
+            s.lease_seconds, s.renew_seconds, s.poll_seconds, s.renew_deadline_seconds or None
+        )
         metrics = SupervisorMetrics(families=[f.name for f in families])
         publish_intervals(metrics, families)
         worker_env = s.worker_env(families[0].name) if len(families) == 1 else s.worker_env()

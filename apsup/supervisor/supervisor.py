@@ -13,6 +13,7 @@ import logging
 import random
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -150,6 +151,9 @@ class Supervisor:
         self.backoff = backoff  # None: the RFC §7 default (about 30 s doubling to 30 min)
         self.core: Scheduler | None = None
         self.term: Term | None = None
+        #: Whether the held term may still act on this host's own clock (its renew deadline;
+        #: set by the host on elected backends, ``apsup.supervisor.lease_keeper``).
+        self.lease_valid: Callable[[], bool] = _always
         self.running: dict[str, Invocation] = {}
         self.clock_offset = timedelta(0)
         self.completed: dict[str, int] = {name: 0 for name in self.families}
@@ -183,13 +187,13 @@ class Supervisor:
     # -- leadership ------------------------------------------------------------------------
     @property
     def leader(self) -> bool:
-        """Holds a term (claimed and renewed); it dispatches only once ``established``."""
-        return self.term is not None
+        """Holds a term within its renew deadline; it dispatches only once ``established``."""
+        return self.term is not None and self.lease_valid()
 
     @property
     def established(self) -> bool:
         """The term's core is restored: this Supervisor schedules and dispatches."""
-        return self.term is not None and self.core is not None
+        return self.term is not None and self.core is not None and self.lease_valid()
 
     def become_leader(self, term: Term) -> bool:
         """Hold ``term`` and try to establish it at once. A failed establishment is retried by
@@ -369,6 +373,9 @@ class Supervisor:
             if until is not None and done and time.monotonic() >= until:
                 self._more_due = True  # renew first, then carry on at once
                 break
+            if not self.lease_valid():
+                self.lose_leadership("renew deadline passed")  # the host stops its Workers
+                break
             decision = self.core.decide(self.now())
             self._log_policy_errors()
             if decision is None:
@@ -483,6 +490,9 @@ class Supervisor:
         if row is None or row.handled_generation >= row.requested_generation:
             # handled >= G: acknowledge completion without running (RFC §5).
             core.on_dispatched(d.family, d.scope_id, False, token=d.token)
+            return
+        if not self.lease_valid():  # the deadline passed during the read: launch nothing
+            self.lose_leadership("renew deadline passed")  # the core (and this dispatch) go
             return
         worker_id = uuid.uuid4().hex[:16]
         ctx = ExecutionContext(
@@ -771,3 +781,7 @@ def _success_fields(inv: Invocation, duration: float) -> dict[str, Any]:
         "term": inv.term_generation,
         "duration": round(duration, 3),
     }
+
+
+def _always() -> bool:
+    return True
