@@ -289,7 +289,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ApsupError as exc:
         print(f"apsup: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # before the host installed its own handlers
+        print("apsup: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
         from sqlalchemy.exc import DBAPIError

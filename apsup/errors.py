@@ -42,5 +42,14 @@ class DeadlinePassed(BackendError):
     cut short), so the loop reaches its step-down instead of waiting on the database."""
 
 
+class WorkerStartError(ApsupError):
+    """The Worker forkserver could not start for a reason a retry may fix (a fork refused by the
+    kernel, the forkserver killed while starting): not a configuration error."""
+
+
+class StartupInterrupted(ApsupError):
+    """A stop (SIGTERM/SIGINT, ``Runtime.stop``) arrived while the host was still starting."""
+
+
 class HostConflictError(ApsupError):
     """Another host already runs on this SQLite database (multi-process SQLite is unsupported)."""

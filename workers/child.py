@@ -12,11 +12,13 @@ What ``main`` does, in order, and why:
 3. SIGTERM: the first one raises :class:`WorkerTerminated` in the main thread so ``finally``
    blocks and context managers roll back (a coroutine suspended in an ``await`` is cancelled
    instead, with the same outcome); a second one exits at once with 143.
-4. The Worker arms its own deadline (``apsup.workers.deadline``): if it is still running one
+4. The Worker writes its pid into the launch's hold pipe (``_report_pid``), so that the host
+   finds it even if the forkserver dies before reporting it.
+5. The Worker arms its own deadline (``apsup.workers.deadline``): if it is still running one
    grace period after its timeout, nobody stopped it (the host was killed or hangs), and it
    stops itself the way the host would have, graceful first, then hard.
-5. ``random`` is reseeded (all children fork from the same forkserver image).
-6. ``target`` is imported and called with ``payload``; its int return is the exit code. An
+6. ``random`` is reseeded (all children fork from the same forkserver image).
+7. ``target`` is imported and called with ``payload``; its int return is the exit code. An
    ``async def`` target (and an async processor, through :func:`run_coroutine`) runs to
    completion in this process's own event loop, created on first use, never in the forkserver.
 
@@ -216,6 +218,7 @@ def main(target: str, payload: bytes, timeout: float | None = None, grace: float
         os.setsid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
+    _report_pid()
     deadline.arm(timeout, grace)
     random.seed()
     code: int
@@ -228,6 +231,19 @@ def main(target: str, payload: bytes, timeout: float | None = None, grace: float
         code = ExitCode.PROCESSOR_FAILURE
     _finished_code = code
     _exit(code)
+
+
+def _report_pid() -> None:
+    """Write our pid into the launch's hold pipe (the first fd the forkserver handed over) and
+    keep it open for life: if the forkserver dies before it reports this pid, the host still
+    learns it there, and EOF on that pipe tells it when no process of this launch is left
+    (``apsup.workers.pool``). A launch made without one (by hand) has nothing to report to."""
+    from multiprocess import forkserver
+
+    fds = getattr(forkserver._forkserver, "_inherited_fds", None) or ()
+    if fds:
+        with contextlib.suppress(OSError):
+            forkserver.write_signed(fds[0], os.getpid())
 
 
 def noop(payload: bytes) -> int:

@@ -53,10 +53,12 @@ import pickle
 import select
 import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal
@@ -72,7 +74,8 @@ from multiprocess import (
 )
 from multiprocess.context import ForkServerProcess, set_spawning_popen
 
-from apsup.errors import ConfigError
+from apsup.errors import ConfigError, WorkerStartError
+from apsup.observability.logging import redact
 from apsup.workers.child import main as _child_main
 from apsup.workers.exit_codes import ExitCode, describe
 
@@ -157,6 +160,13 @@ class WorkerHandle:
     pidfd: int | None = None
     #: The Worker's process is known to be reaped: its pid (and pgid) may now name another.
     reaped: bool = False
+    #: Read end of the launch's hold pipe. The forked Worker keeps the write end for its whole
+    #: life and writes its own pid into it first, so a Worker whose forkserver died before
+    #: reporting it is still found (its pid arrives here), and EOF without a pid proves that
+    #: no Worker of this launch runs (``apsup.workers.child._report_pid``).
+    hold: int | None = None
+    #: The forkserver closed this launch's pipe without a pid: the pid is awaited on ``hold``.
+    orphan: bool = False
     _popen: Any = field(default=None, repr=False)
     _forkserver_pid: int | None = field(default=None, repr=False)
     #: The status read from the forkserver's pipe (255 at EOF), once read.
@@ -168,6 +178,8 @@ class WorkerHandle:
         status (or, adopted, once the Worker has exited)."""
         if self.adopted and self.pidfd is not None:
             return self.pidfd
+        if self.orphan and self.hold is not None:
+            return self.hold
         return int(self._popen.sentinel)
 
 
@@ -188,8 +200,10 @@ class _LeanForkServerPopen(popen_forkserver.Popen):  # type: ignore[misc]
     and would take a pid that has not been read yet for an exit status).
     """
 
-    def __init__(self, process_obj: Any, connect_timeout: float) -> None:
-        self._fds: list[int] = []
+    def __init__(self, process_obj: Any, connect_timeout: float, hold_w: int | None = None) -> None:
+        # The forkserver hands extra fds to the child it forks (``_inherited_fds``) and closes
+        # its own copies once it has reported the pid.
+        self._fds: list[int] = [] if hold_w is None else [hold_w]
         self.returncode = None
         self.finalizer = None
         self.pid = None
@@ -224,6 +238,28 @@ def _readable(fd: int) -> bool:
     return bool(p.poll(0))
 
 
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """Start a forkserver that ignores SIGINT from its first instruction. A terminal's Ctrl-C
+    reaches the whole process group; ``multiprocess``'s forkserver ignores SIGINT only after
+    its preload imports, so a Ctrl-C during them killed it (a ``KeyboardInterrupt`` traceback,
+    and a stop that looked like a configuration error). An ignored signal stays ignored across
+    fork and exec, and Python installs its own SIGINT handler only where it starts with the
+    default one. Meanwhile this process keeps SIGINT blocked, not ignored: one that arrives then
+    stays pending and reaches the restored handler. Main thread only (elsewhere Python cannot
+    change handlers, and the terminal's SIGINT is the main thread's application's business)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
 def _connect_to_new_process(fds: list[int], timeout: float) -> tuple[int, int]:
     """Upstream ``ForkServer.connect_to_new_process``, minus a probe on every launch.
 
@@ -236,7 +272,8 @@ def _connect_to_new_process(fds: list[int], timeout: float) -> tuple[int, int]:
     fs = forkserver._forkserver
     tracker_fd = resource_tracker._resource_tracker._fd
     if tracker_fd is None or not _is_alive_child(fs._forkserver_pid):
-        fs.ensure_running()
+        with _sigint_ignored():
+            fs.ensure_running()
         tracker_fd = resource_tracker.getfd()
     if len(fds) + 4 >= forkserver.MAXFDS_TO_SEND:
         raise ValueError("too many fds")
@@ -286,6 +323,33 @@ def _open_pidfd(h: WorkerHandle) -> None:
         h.reaped = True
     except (OSError, AttributeError):
         pass  # no pidfds here: the pool signals by number, as before
+
+
+def _preload_problem(modules: list[str], timeout: float) -> str | None:
+    """Import ``modules`` in a fresh interpreter, as the forkserver does (default ``sys.path`` +
+    ``PYTHONPATH`` + working directory); the last line of its error, or None if they import.
+    Without the warm-up's URL file (``apsup.workers.warm`` would take it)."""
+    from apsup.workers.warm import ENV as WARM_ENV
+
+    env = {k: v for k, v in os.environ.items() if k != WARM_ENV}
+    code = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\n"
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code, *modules],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        return f"the imports did not finish within {timeout:g}s"
+    except OSError:
+        return None  # cannot tell (no fork for this either): transient
+    if done.returncode == 0 or done.returncode < 0:
+        return None  # imported, or the check itself was killed by a signal: not the modules
+    lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+    return redact(lines[-1])[:300] if lines else f"exit status {done.returncode}"
 
 
 def _pid_in_use(pid: int) -> bool:
@@ -438,10 +502,20 @@ class WorkerPool:
                     "something at import time?); preload modules must import without I/O"
                 ) from exc
             except (OSError, EOFError) as exc:
-                raise ConfigError(
-                    f"the Worker forkserver failed to start with preload {self.preload}: "
-                    "a preload module probably raised at import (not ImportError); import "
-                    "each module in a plain interpreter to see the error"
+                # The forkserver died before it forked the probe: a preload module that raises
+                # at import (configuration), or a fork refused, or a signal (transient)? Import
+                # the modules in a fresh interpreter to tell which.
+                problem = _preload_problem(self.preload, self.start_timeout)
+                if problem is not None:
+                    raise ConfigError(
+                        f"the Worker forkserver failed to start: importing its preload modules "
+                        f"{self.preload} fails in a fresh interpreter ({problem}); fix that "
+                        "module (an import must not raise or do I/O)"
+                    ) from exc
+                raise WorkerStartError(
+                    f"the Worker forkserver failed to start ({type(exc).__name__}: {exc}) "
+                    "although its preload modules import fine: a fork refused by the kernel "
+                    "or a signal during startup; retried"
                 ) from exc
             exits = self._wait_for({handle.worker_id}, self.start_timeout + self.grace_seconds)
             with open(report, encoding="utf-8") as fh:
@@ -457,7 +531,7 @@ class WorkerPool:
             )
         if not exits or exits[0].exitcode != ExitCode.SUCCESS:
             got = exits[0].reason if exits else "no confirmed exit"
-            raise ConfigError(f"Worker forkserver probe failed ({got}); see stderr")
+            raise WorkerStartError(f"Worker forkserver probe failed ({got}); see stderr")
 
     def _wait_for(self, worker_ids: set[str], timeout: float) -> list[WorkerExit]:
         end = time.monotonic() + timeout
@@ -579,7 +653,8 @@ class WorkerPool:
         while handle.state == "launching":
             remaining = handle.deadline - time.monotonic()
             if remaining > 0:
-                if connection.wait([handle.sentinel], remaining) and not self._complete(handle):
+                ready = connection.wait([handle.sentinel], remaining)
+                if ready and self._complete(handle) is False:
                     self._drop_launch(handle)
                     raise EOFError("the forkserver closed the launch's pipe before its pid")
                 continue
@@ -594,8 +669,18 @@ class WorkerPool:
         else the launch is dropped."""
         self._stop_forkserver(timeout=0)
         # Its pipe is at EOF now, or holds the pid; the forked child may still hold the write
-        # end for an instant (until it closes the forkserver's fds), hence the short wait.
-        if connection.wait([h.sentinel], 1.0) and self._complete(h):
+        # end for an instant (until it closes the forkserver's fds), hence the short wait. A
+        # child it forked without reporting reports itself on the hold pipe.
+        done: bool | None = None
+        for _ in range(2):
+            if not connection.wait([h.sentinel], 1.0):
+                break
+            done = self._complete(h)
+            if done is not None:
+                break
+        if done is None and h.orphan:
+            return True  # a Worker may run: it holds its key until its pid or EOF arrives
+        if done:
             return True
         self._drop_launch(h)
         return False
@@ -625,11 +710,18 @@ class WorkerPool:
             # This launch (re)starts the forkserver, preload imports included.
             pid_timeout = max(pid_timeout, self.start_timeout)
         sent = time.monotonic()
+        hold_r, hold_w = os.pipe()
         try:
-            popen = _LeanForkServerPopen(process, pid_timeout)
+            popen = _LeanForkServerPopen(process, pid_timeout, hold_w)
         except TimeoutError as exc:  # its listen queue is full: wedged
+            os.close(hold_r)
             self._stop_forkserver(timeout=0)
             raise ForkServerStuck(f"forkserver did not accept within {pid_timeout:g}s") from exc
+        except BaseException:
+            os.close(hold_r)
+            raise
+        finally:
+            os.close(hold_w)  # the forkserver has its own copy now (or none: nothing was sent)
         handle = WorkerHandle(
             worker_id=worker_id,
             pid=0,
@@ -638,19 +730,34 @@ class WorkerPool:
             deadline=sent + pid_timeout,
             state="launching",
             timeout=float(timeout),
+            hold=hold_r,
             _popen=popen,
             _forkserver_pid=self.forkserver_pid,
         )
         self._handles[worker_id] = handle
         return handle
 
-    def _complete(self, h: WorkerHandle) -> bool:
+    def _complete(self, h: WorkerHandle) -> bool | None:
         """Read a launching Worker's pid (its sentinel is readable): it is running from now on.
-        False if the pipe is at EOF instead: the forkserver is gone and did not fork it."""
-        try:
-            pid = forkserver.read_signed(h.sentinel)
-        except (OSError, EOFError):
-            return False
+
+        If the forkserver closed the pipe without a pid (it died, maybe right after the fork),
+        the Worker may still run: its own pid comes on the hold pipe. False if that pipe is at
+        EOF without one (no Worker of this launch runs), None while neither has arrived yet
+        (the sentinel is the hold pipe from now on)."""
+        if not h.orphan:
+            try:
+                pid = forkserver.read_signed(h.sentinel)
+            except (OSError, EOFError):
+                h.orphan = True
+                if h.hold is None or not _readable(h.hold):
+                    return None if h.hold is not None else False
+        if h.orphan:
+            try:
+                pid = forkserver.read_signed(h.hold)
+            except (OSError, EOFError, TypeError):
+                return False  # every holder is gone and none wrote a pid: nothing runs
+            # Its forkserver is gone: only our own waitpid (as subreaper) can confirm it.
+            h._status = _FORKSERVER_EOF_EXITCODE
         started = time.monotonic()
         h.pid, h.state, h.started, h.deadline = pid, "running", started, started + h.timeout
         h._popen.pid = pid
@@ -672,6 +779,14 @@ class WorkerPool:
         """Forget a launch that produced no Worker."""
         self._handles.pop(h.worker_id, None)
         h._popen.close()
+        self._close_hold(h)
+
+    @staticmethod
+    def _close_hold(h: WorkerHandle) -> None:
+        if h.hold is not None:
+            with contextlib.suppress(OSError):
+                os.close(h.hold)
+            h.hold = None
 
     def _launch_failed(self, h: WorkerHandle, error: str, now: float | None) -> WorkerExit:
         self._drop_launch(h)
@@ -759,6 +874,8 @@ class WorkerPool:
                 continue
             if h.adopted and h.pidfd is None:
                 times.append(time.monotonic() + 0.2)  # no pidfd: poll its waitpid
+            if h.orphan and h.state == "launching":
+                continue  # awaiting its pid on the hold pipe (in the wait set), no deadline
             if h.state in ("running", "launching"):
                 times.append(h.deadline)
             elif h.state == "terminating" and h.term_sent_at is not None:
@@ -775,7 +892,20 @@ class WorkerPool:
         for h in list(self._handles.values()):
             self._enforce(h, now)
         self._reap_stragglers(now)
+        self._reap_dead_forkserver()
         return exits
+
+    def _reap_dead_forkserver(self) -> None:
+        """A forkserver that died (killed, crashed) is our child: reap it now, not at the next
+        launch (an idle host might never launch again and keep a zombie for life). Its Workers
+        were adopted by ``_collect`` already (their status pipes reported the death first);
+        launches still waiting for a pid keep it until they are settled."""
+        pid = self.forkserver_pid
+        if pid is None or _is_alive_child(pid):
+            return
+        if any(h.state == "launching" and not h.orphan for h in self._handles.values()):
+            return
+        self._stop_forkserver(timeout=0)
 
     def unconfirmed(self) -> list[WorkerHandle]:
         """Workers whose exit we may never confirm: still holding capacity, nothing to wait on."""
@@ -812,6 +942,8 @@ class WorkerPool:
             self._stop_forkserver(timeout=0)
             for h in launching:
                 if not (connection.wait([h.sentinel], 1.0) and self._complete(h)):
+                    if h.orphan and h.hold is not None and not _readable(h.hold):
+                        continue  # a Worker may run: it stays, unconfirmed, below
                     exits.append(self._launch_failed(h, "ForkServerStuck", None))
         now = time.monotonic()
         for h in self._handles.values():
@@ -848,13 +980,18 @@ class WorkerPool:
         for h in live:
             if h.state == "launching":
                 if h.sentinel in ready:
-                    if not self._complete(h):
+                    done = self._complete(h)
+                    if done is False:
                         exits.append(self._launch_failed(h, "EOFError", now))
                         continue
+                    if done is None:
+                        continue  # its forkserver died after the fork: awaiting the pid
+                elif h.orphan:
+                    continue
                 elif time.monotonic() >= h.deadline and not self._unstick(h):
                     exits.append(self._launch_failed(h, "ForkServerStuck", now))
                     continue
-                if h._status is None:
+                if h.state == "launching" or h._status is None:
                     continue  # running now; its exit status is not there yet
             elif h._status is None and h.sentinel not in ready:
                 continue  # (a status read with the pid is confirmed whether or not at EOF yet)
@@ -877,6 +1014,7 @@ class WorkerPool:
         del self._handles[h.worker_id]
         h.reaped = True  # the forkserver (or we, adopted) reaped it: its status is here
         h._popen.close()
+        self._close_hold(h)
         if not any(other.pid == h.pid for other in self._handles.values()):
             # Stragglers in its group (grandchildren that ignored SIGTERM or were simply
             # left behind) die with it; ``_signal_group`` never reaches a reused group.

@@ -13,10 +13,12 @@ import functools
 import logging
 import os
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from apsup.errors import ConfigError
+from apsup.errors import ConfigError, StartupInterrupted, WorkerStartError
+from apsup.observability.logging import error_fields
 from apsup.registry import Family
 from apsup.scheduling import Backoff
 from apsup.store import SqlBackend, open_backend, worker_preload
@@ -71,6 +73,44 @@ class HostBundle:
 WARM_MODULE = "apsup.workers.warm"
 
 
+#: A forkserver that failed to start for a transient reason is started again after this delay,
+#: doubling up to 5 s, for as long as it takes (a stop request ends the wait).
+POOL_START_BACKOFF = Backoff(base=0.2, cap=5.0, jitter=0.0)
+
+
+def _start_pool_retrying(
+    modules: list[str],
+    database_url: str,
+    grace_seconds: float,
+    stopping: Callable[[], bool] | None,
+) -> WorkerPool:
+    """``_start_pool`` until it succeeds: a transient failure (``WorkerStartError``: a fork the
+    kernel refused, the forkserver killed while it imported) is retried with backoff and logged;
+    a configuration error raises at once; a stop request (``stopping()``) raises
+    ``StartupInterrupted`` instead of whatever the stop itself caused (a forkserver that got the
+    same Ctrl-C)."""
+    attempt = 0
+    while True:
+        try:
+            return _start_pool(modules, database_url, grace_seconds)
+        except (WorkerStartError, ConfigError) as exc:
+            if stopping is not None and stopping():
+                raise StartupInterrupted("stopped while the Worker forkserver started") from exc
+            if isinstance(exc, ConfigError):
+                raise
+            attempt += 1
+            delay = POOL_START_BACKOFF.delay(attempt)
+            log.warning(
+                "worker forkserver failed to start; retrying",
+                extra={**error_fields(exc), "retry_count": attempt, "retry_delay": delay},
+            )
+            end = time.monotonic() + delay
+            while time.monotonic() < end:
+                if stopping is not None and stopping():
+                    raise StartupInterrupted("stopped while the Worker forkserver started") from exc
+                time.sleep(min(0.05, max(0.0, end - time.monotonic())))
+
+
 def _start_pool(modules: list[str], database_url: str, grace_seconds: float) -> WorkerPool:
     """Start the forkserver with the URL it warms an engine for (``apsup.workers.warm``): in a
     0600 file that the forkserver deletes after reading, so the DSN is never in an environment."""
@@ -111,8 +151,12 @@ def build_host(
     shutdown_grace: float = 10.0,
     grace_seconds: float = 5.0,
     backoff: Backoff | None = None,
+    stopping: Callable[[], bool] | None = None,
 ) -> HostBundle:
-    """A host running every Supervisor of ``mode`` for ``families`` in this process."""
+    """A host running every Supervisor of ``mode`` for ``families`` in this process.
+
+    ``stopping``: whether a stop was requested meanwhile (starting the Worker forkserver is
+    retried until it succeeds or this says so; ``StartupInterrupted`` then)."""
     if not families:
         raise ConfigError("no family to schedule")
     backend = open_backend(database_url, control=True)  # every call time-limited
@@ -130,7 +174,7 @@ def build_host(
             {f.entry_point.split(":", 1)[0] for f in families}
             | {TARGET.split(":", 1)[0], *worker_preload(database_url)}
         )
-        pool = _start_pool([*modules, WARM_MODULE], database_url, grace_seconds)
+        pool = _start_pool_retrying([*modules, WARM_MODULE], database_url, grace_seconds, stopping)
     except BaseException:
         if control is not None:
             control.close()

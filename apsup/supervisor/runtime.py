@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.exc import DBAPIError
 
-from apsup.errors import ConfigError
+from apsup.errors import ConfigError, StartupInterrupted
 from apsup.observability import tracing
 from apsup.observability.health import HealthServer, Heartbeat
 from apsup.observability.logging import log_startup, register_dsn
@@ -517,16 +517,22 @@ class Runtime:
             backend.dispose()
         relay = WorkerLogRelay()  # Worker logging, print and stderr join this process's log
         worker_env.update(relay.env())
-        bundle = build_host(
-            s.database_url,
-            list(families),
-            mode=mode,
-            lease=lease,
-            worker_settings=worker_env,
-            hooks=MetricsHooks(metrics, relay),
-            shutdown_grace=s.shutdown_grace_seconds,
-            backoff=self.backoff,
-        )
+        try:
+            bundle = build_host(
+                s.database_url,
+                list(families),
+                mode=mode,
+                lease=lease,
+                worker_settings=worker_env,
+                hooks=MetricsHooks(metrics, relay),
+                shutdown_grace=s.shutdown_grace_seconds,
+                backoff=self.backoff,
+                stopping=self._stopping.is_set,
+            )
+        except StartupInterrupted:
+            relay.close()
+            log.info("runtime stopped during startup", extra={"mode": mode, "role": s.role})
+            return
         host = bundle.host
         host.shutdown_drain = s.shutdown_drain_seconds
         if not schema_checked:  # checked again before the first claim, until it can run
