@@ -1,4 +1,5 @@
-"""``apsup``: run | migrate | check-config | status | trigger | demo | maintenance.
+"""``apsup``: run | migrate | check-config | status | trigger | scopes | families | demo |
+maintenance.
 
 Exit codes: 0 ok, 1 runtime failure, 2 configuration error (the message says what to change),
 3 another host already runs on this SQLite database.
@@ -138,6 +139,16 @@ def _require_schema(backend: Any) -> None:
         raise
 
 
+def _positive_int(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {raw!r}")
+    return value
+
+
 def cmd_trigger(args: argparse.Namespace) -> int:
     from apsup.store import open_backend
     from apsup.supervisor.control import notify
@@ -159,6 +170,72 @@ def cmd_trigger(args: argparse.Namespace) -> int:
         + ("" if delivered else " (no local host notified; it is recovered when one runs)")
     )
     return 0
+
+
+def _operator_action(args: argparse.Namespace, action: Any, *, scoped: bool) -> int:
+    """One operator action in its own transaction, then a wake-up for a local SQLite host."""
+    from apsup.store import open_backend
+    from apsup.supervisor.control import notify
+
+    registry = _import_apps(args.app)
+    fam = registry.get(args.family)
+    url = _db_url(args)
+    backend = open_backend(url)
+    try:
+        _require_schema(backend)
+        with backend.transaction() as conn:
+            if scoped:
+                message = action(conn, fam, _scope_argument(args.scope))
+            else:
+                message = action(conn, fam)
+    finally:
+        backend.dispose()
+    notify(url, fam.name)
+    print(message)
+    return 0
+
+
+def cmd_scopes(args: argparse.Namespace) -> int:
+    from apsup import operator
+
+    if args.action != "list":
+        action = getattr(operator, args.action)
+        return _operator_action(args, action, scoped=True)
+    from apsup.store import open_backend
+
+    registry = _import_apps(args.app)
+    fam = registry.get(args.family)
+    backend = open_backend(_db_url(args))
+    try:
+        _require_schema(backend)
+        with backend.read() as conn:
+            rows = operator.scopes(conn, fam, failing=args.failing, limit=args.limit)
+            paused = operator.paused(conn, fam)
+    finally:
+        backend.dispose()
+    if args.json:
+        doc = {"family": fam.name, "paused": paused, "scopes": [r.as_dict() for r in rows]}
+        sys.stdout.write(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode() + "\n")
+        return 0
+    print(f"{fam.name}{' (paused)' if paused else ''}: {len(rows)} Scope(s)")
+    header = (
+        f"{'SCOPE':<28} {'REQ':>5} {'DONE':>5} {'FAILS':>5} {'PARKED':<6} NEXT ATTEMPT / LAST ERROR"
+    )
+    print(header)
+    for r in rows:
+        error = f"{r.error_type}: {r.error}" if r.error_type else ""
+        print(
+            f"{r.scope[:28]:<28} {r.requested_generation:>5} {r.handled_generation:>5} "
+            f"{r.consecutive_failures:>5} {'yes' if r.parked else '':<6} "
+            f"{r.next_attempt_at or '-'} {error[:120]}"
+        )
+    return 0
+
+
+def cmd_families(args: argparse.Namespace) -> int:
+    from apsup import operator
+
+    return _operator_action(args, getattr(operator, args.action), scoped=False)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -251,6 +328,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("scope")
     p.set_defaults(func=cmd_trigger)
 
+    p = sub.add_parser("scopes", help="list a family's Scopes; retry, park, unpark or stop one")
+    ssub = p.add_subparsers(dest="action", required=True)
+    s = ssub.add_parser("list", help="FAMILY's Scopes with their failure state")
+    with_app(s)
+    with_db(s)
+    s.add_argument("family")
+    s.add_argument("--failing", action="store_true", help="only failing or parked Scopes")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--limit", type=_positive_int, default=100)
+    s.set_defaults(func=cmd_scopes)
+    for action, text in (
+        ("retry", "attempt a failing Scope now instead of at its backoff time"),
+        ("park", "never dispatch this Scope (its requests are kept) until unparked"),
+        ("unpark", "dispatch a parked Scope again"),
+        ("stop", "stop its running invocation (SIGTERM, then SIGKILL) and park it"),
+    ):
+        s = ssub.add_parser(action, help=text)
+        with_app(s)
+        with_db(s)
+        s.add_argument("family")
+        s.add_argument("scope")
+        s.set_defaults(func=cmd_scopes)
+
+    p = sub.add_parser("families", help="pause or resume a family on every replica")
+    fsub = p.add_subparsers(dest="action", required=True)
+    for action, text in (
+        ("pause", "start no new invocation of FAMILY on any replica (running ones finish)"),
+        ("resume", "start invocations of a paused FAMILY again"),
+    ):
+        s = fsub.add_parser(action, help=text)
+        with_app(s)
+        with_db(s)
+        s.add_argument("family")
+        s.set_defaults(func=cmd_families)
+
     p = sub.add_parser("demo", help="run a demo workload on SQLite with a live view")
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--db-path", default="var/demo.db")
@@ -283,6 +395,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except HostConflictError as exc:
         print(f"apsup: {exc}", file=sys.stderr)
         return EXIT_HOST_CONFLICT
+    except LookupError as exc:  # an unknown Scope (``apsup.operator.UnknownScope``)
+        print(f"apsup: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     except ConfigError as exc:
         print(f"apsup: configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG

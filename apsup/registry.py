@@ -60,9 +60,10 @@ class Family:
     entry_point: str
     processor: Processor = field(repr=False)
     _hooks: dict[str, Any] = field(default_factory=dict, repr=False)
-    #: Failure records carry the (redacted, truncated) exception message; off by default
-    #: because a message may quote Source text.
-    log_exception_messages: bool = False
+    #: Failure records (logs, ``/status``, the Scope's failure state) carry the redacted,
+    #: length-capped exception message. Turn it off for a family whose exception messages may
+    #: quote Source text or prompts: only the exception type is kept then.
+    log_exception_messages: bool = True
 
     # -- worker-facing ---------------------------------------------------------------------
     def __call__(self, scope_id: str, ctx: ExecutionContext) -> Any:
@@ -345,7 +346,7 @@ def family(
     max_workers: int = 4,
     timeout: float = 600,
     registry: Registry | None = None,
-    log_exception_messages: bool = False,
+    log_exception_messages: bool = True,
 ) -> Callable[[Processor], Family]:
     """Register a Scope processor ``fn(scope_id, ctx)`` as an artifact family.
 

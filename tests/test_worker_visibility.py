@@ -160,7 +160,7 @@ def test_processor_logs_and_failure_record(host_factory: Callable[..., Host], db
     assert frames and frames[-1]["function"] == "vis_fail"
     assert frames[-1]["file"].endswith("visibility_families.py") and frames[-1]["line"] > 0
     assert all(failure[f] == own[f] for f in FIELDS if f != "binding")
-    assert "error" not in failure
+    assert "withheld" in failure["error"] and fams.SECRET_TEXT not in failure["error"]
     assert fams.SECRET_TEXT not in h.text()  # nowhere in the host's log
 
 

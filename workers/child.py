@@ -141,7 +141,8 @@ def _exit(code: int) -> NoReturn:
 
 
 def _report(target: str, what: str, exc: BaseException) -> None:
-    """One stderr line: exception type and innermost code location, no message, no payload."""
+    """One stderr line: exception type, innermost code location and, unless the family opted
+    out, the redacted and length-capped message (never the payload)."""
     where = ""
     frames = traceback.extract_tb(exc.__traceback__)
     if frames:
@@ -149,7 +150,14 @@ def _report(target: str, what: str, exc: BaseException) -> None:
         where = f" at {last.filename}:{last.lineno} in {last.name}"
     kind = f"{type(exc).__module__}.{type(exc).__qualname__}"
     with contextlib.suppress(Exception):  # reporting must never change the exit code
-        sys.stderr.write(f"apsup worker {os.getpid()}: {target} {what}: {kind}{where}\n")
+        message = ""
+        from apsup.observability import worker_logs
+
+        if worker_logs._include_messages:
+            from apsup.observability.logging import exception_message
+
+            message = f": {exception_message(exc)}"
+        sys.stderr.write(f"apsup worker {os.getpid()}: {target} {what}: {kind}{where}{message}\n")
 
 
 def resolve(target: str) -> Target:

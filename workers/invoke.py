@@ -20,6 +20,7 @@ from typing import Any
 from apsup.context import ExecutionContext, dispose_async_backends, release_before_exit
 from apsup.errors import ConfigError, ContextError, ProgressConflict, StaleTermError
 from apsup.observability import tracing, worker_logs
+from apsup.observability.logging import exception_message
 from apsup.registry import resolve_entry_point
 from apsup.store.storage import storage_error_kind
 from apsup.workers.exit_codes import STORAGE_EXIT_CODES, ExitCode
@@ -28,8 +29,13 @@ TARGET = "apsup.workers.invoke:run"
 
 
 def _say(kind: str, exc: BaseException) -> None:
-    # Only the exception type: a message may quote Source text, prompts or a DSN (RFC §12).
-    print(f"apsup worker: {kind}: {type(exc).__name__}", file=sys.stderr, flush=True)
+    """One stderr line: the exception type and, unless the family opted out (its messages may
+    quote Source text or prompts), its redacted, length-capped message (RFC §12: no Source
+    bodies, prompts or credentials: redaction masks URL passwords and ``secret=`` pairs)."""
+    message = ""
+    if worker_logs._include_messages:
+        message = f": {exception_message(exc)}"
+    print(f"apsup worker: {kind}: {type(exc).__name__}{message}", file=sys.stderr, flush=True)
 
 
 async def _run_async(processing: Any) -> None:

@@ -21,7 +21,7 @@ A ``disabled`` Family (automatic admission off) is a configuration choice and do
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Literal, NotRequired, TypedDict
+from typing import Any, Literal, NotRequired, TypedDict
 
 FamilyHealth = Literal["ok", "degraded", "disabled"]
 AggregateHealth = Literal["ok", "degraded", "standby", "down"]
@@ -45,6 +45,15 @@ class FamilyStatus(TypedDict):
     #: adopted, or SIGKILL brought no status yet); each still holds a budget slot.
     unconfirmed: NotRequired[int]
     policy: NotRequired[str]  # e.g. "interval 300s", "cron '0 2 * * *' Asia/Shanghai", "disabled"
+    #: Paused by an operator (``apsup families pause``): nothing new is dispatched.
+    paused: NotRequired[bool]
+    #: Scopes failing now (consecutive failures > 0), and the worst of them (with parked ones):
+    #: scope, consecutive_failures, error_type, error (redacted), failed_at, next_attempt_at,
+    #: parked.
+    failing_count: NotRequired[int]
+    failing: NotRequired[list[dict[str, Any]]]
+    #: Running invocations, oldest first (capped): scope, age in seconds, worker_id.
+    running_scopes: NotRequired[list[dict[str, Any]]]
 
 
 class SupervisorStatus(TypedDict):

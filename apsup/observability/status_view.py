@@ -50,7 +50,7 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from apsup.errors import ConfigError
 from apsup.observability.logging import exception_message, redact, register_dsn
 from apsup.observability.status import StatusSnapshot, evaluate_readiness
-from apsup.store import backend_kind, open_backend, redact_url
+from apsup.store import backend_kind, open_backend, operator_state, redact_url
 from apsup.store import intents as intent_store
 from apsup.store import scans as scan_store
 from apsup.store.leases import GLOBAL_KEY, INVALIDATED, LeaseRow, all_leases, dedicated_key
@@ -137,12 +137,19 @@ def _ago(when: datetime | None, now: datetime) -> str:
 # --- database side ---------------------------------------------------------------------------
 
 
+#: Failing Scopes listed per family (worst first).
+FAILING_LIMIT = 10
+
+
 @dataclass(frozen=True)
 class DbFamily:
     binding: str
     unacknowledged: int
     dirty: int
     scan: scan_store.ScanState | None
+    paused: bool = False
+    failing_count: int = 0
+    failing: tuple[operator_state.ScopeState, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -183,17 +190,33 @@ def read_database(backend: Any, extra_bindings: Iterable[str] = ()) -> DbView:
         for extra in extra_bindings:
             if extra not in names and len(names) < MAX_FAMILIES:
                 names.append(extra)
+        controls = operator_state.controls(conn, names)
         families = {
             name: DbFamily(
                 binding=name,
                 unacknowledged=intent_store.count_pending_requests(conn, name),
                 dirty=intent_store.count_dirty(conn, name),
                 scan=scan_store.get_state(conn, name),
+                paused=bool(name in controls and controls[name].paused),
+                failing_count=operator_state.failing_count(conn, name),
+                failing=tuple(operator_state.failing(conn, name, FAILING_LIMIT)),
             )
             for name in sorted(names)
         }
         lease_rows = list(all_leases(conn))
     return DbView(now=now, families=families, leases=lease_rows, truncated=truncated)
+
+
+def _failing_json(s: operator_state.ScopeState) -> dict[str, Any]:
+    return {
+        "scope": s.scope_id,
+        "consecutive_failures": s.consecutive_failures,
+        "error_type": s.last_error_type,
+        "error": s.last_error,
+        "failed_at": _iso(s.last_failure_at),
+        "next_attempt_at": _iso(s.next_attempt_at),
+        "parked": s.parked,
+    }
 
 
 def _mysql_code(exc: BaseException) -> int | None:
@@ -457,6 +480,11 @@ def build_view(
                 "in_progress": scan.scan_in_progress,
                 "upper_pending_sequence": scan.scan_upper_pending_sequence,
             },
+            "paused": dbf.paused if dbf else bool(mem and mem.get("paused")),
+            "failing_count": dbf.failing_count if dbf else (mem or {}).get("failing_count", 0),
+            "failing": [_failing_json(s) for s in dbf.failing]
+            if dbf
+            else list((mem or {}).get("failing", [])),
             "supervisor_key": sup.get("key") if sup else None,
             "host_is_leader": bool(sup.get("leader")) if sup else None,
             "leader": None if lease is None else _lease_json(lease, now),
@@ -547,6 +575,27 @@ def _table(rows: list[list[str]]) -> list[str]:
     return lines
 
 
+def _failing_lines(families: dict[str, Any], now: datetime) -> list[str]:
+    """Per family: paused, and its failing or parked Scopes, worst first, with why."""
+    lines: list[str] = []
+    for name, fam in families.items():
+        scopes = fam.get("failing") or []
+        if fam.get("paused"):
+            lines.append(f"  {name}: paused by the operator (apsup families resume {name})")
+        if not scopes:
+            continue
+        lines.append(f"  {name}: {fam.get('failing_count', 0)} failing Scope(s), worst first:")
+        for s in scopes:
+            nxt = _parse(s.get("next_attempt_at"))
+            when = "parked" if s.get("parked") else (f"next {_until(nxt, now)}" if nxt else "")
+            error = f"{s.get('error_type') or '-'}: {s.get('error') or ''}".strip()
+            lines.append(
+                f"    {str(s.get('scope'))[:40]:<40} {s.get('consecutive_failures', 0):>4}x  "
+                f"{when:<14} {error[:100]}"
+            )
+    return lines
+
+
 def render_text(view: dict[str, Any], error: str | None = None) -> str:
     now = _parse(view["database_time"]) or datetime.now(UTC).replace(tzinfo=None)
     lines = [f"apsup status  ·  {view['database']}  ·  database time {view['database_time']}"]
@@ -604,6 +653,10 @@ def render_text(view: dict[str, Any], error: str | None = None) -> str:
         if notes:
             lines.append("")
             lines.extend(notes)
+        failing = _failing_lines(families, now)
+        if failing:
+            lines.append("")
+            lines.extend(failing)
     if view["truncated"]:
         lines.append(f"(only the first {MAX_FAMILIES} families are shown)")
     return "\n".join(lines) + "\n"

@@ -8,8 +8,9 @@ Worker connects three streams as its first action (:func:`attach`):
 
 - ``records``: one JSON line per stdlib ``logging`` record at or above the host's level (the
   Worker's root logger gets a handler that writes here), plus one ``exc`` line when the processor
-  raised: exception type and frames (file, line, function), the message only when the Family
-  opted in with ``log_exception_messages=True`` (a message may quote Source text);
+  raised: exception type, frames (file, line, function) and the redacted, length-capped
+  message, unless the Family opted out with ``log_exception_messages=False`` (for processors
+  whose messages may quote Source text);
 - ``stdout`` / ``stderr``: file descriptors 1 and 2 are redirected here, so ``print``, stray
   writes and a subprocess's output arrive line by line.
 
@@ -57,7 +58,7 @@ log = logging.getLogger("apsup.worker")
 
 _records: socket.socket | None = None
 _records_lock = threading.Lock()
-_include_messages = False
+_include_messages = True
 
 
 def exception_frames(exc: BaseException, limit: int = MAX_FRAMES) -> list[dict[str, Any]]:
@@ -127,7 +128,7 @@ def _connect(path: str, header: dict[str, Any]) -> socket.socket:
     return sock
 
 
-def attach(ctx: Any, *, include_messages: bool = False) -> bool:
+def attach(ctx: Any, *, include_messages: bool = True) -> bool:
     """Connect this Worker to the host's relay (``ctx`` is its ExecutionContext).
 
     Returns False (and changes nothing) when no relay is configured or it cannot be reached.

@@ -39,6 +39,7 @@ import heapq
 import itertools
 import random
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TypeVar
@@ -210,6 +211,10 @@ class _Family:
         self.budget = spec.max_workers
         self.limit = spec.queue_limit
         self.clock_rewinds = 0  # survives lease loss: it is a counter
+        #: Operator controls, mirrored from the database (the shell applies them after every
+        #: restore): a paused family dispatches nothing new; a parked key is never dispatched.
+        self.paused = False
+        self.parked: set[str] = set()
         self.reset()
 
     def reset(self) -> None:
@@ -401,7 +406,9 @@ class Scheduler:
                 return None
             f.postponed_until = None  # stays degraded until a step succeeds
         while True:
-            if f.ready and f.running < f.budget:
+            while f.ready and f.ready[0] in f.parked:
+                del f.keys[f.ready.popleft()]  # parked meanwhile: free, never dispatched
+            if f.ready and f.running < f.budget and not f.paused:
                 return self._dispatch(f)
             if f.scan is not None and f.scan.ending:
                 return EndScan(f.name, f.scan.generation)  # ends regardless of capacity
@@ -487,7 +494,11 @@ class Scheduler:
         """Skip rows that need no admission; the first one that does becomes an Admit."""
         while scan.rows:
             row = scan.rows[0]
-            if row.scope_id in f.keys or row.last_auto_scan_generation >= scan.generation:
+            if (
+                row.scope_id in f.keys
+                or row.scope_id in f.parked
+                or row.last_auto_scan_generation >= scan.generation
+            ):
                 # Busy keys are not awaited (RFC §4.1); a marked row was admitted by this scan.
                 scan.rows.popleft()
                 scan.after_sequence = row.pending_sequence
@@ -518,6 +529,37 @@ class Scheduler:
         f.notifications += 1
         if f.request_pass is None:
             f.request_pass = _RequestPass()
+
+    def set_paused(self, family: str, paused: bool) -> None:
+        """Pause (no new dispatch; running Workers finish, discovery fills the ready queue) or
+        resume a family."""
+        self._family(family).paused = paused
+
+    def set_parked(self, family: str, scopes: Iterable[str]) -> None:
+        """The family's parked keys: never dispatched while parked (a ready one is dropped, a
+        discovered one skipped; their requests stay durable). A key no longer parked is found
+        again by a request pass, started here."""
+        f = self._family(family)
+        new = set(scopes)
+        released = f.parked - new
+        f.parked = new
+        if released:
+            self.on_notify(family)
+
+    def retry_now(self, family: str, scope_id: str, now: datetime) -> bool:
+        """An operator's retry: a key waiting for its backoff is due now (its failure count
+        stays until it succeeds). A free key is looked for by a request pass. True if a
+        waiting key was moved."""
+        f = self._family(family)
+        key = f.keys.get(scope_id)
+        if key is None:
+            self.on_notify(family)
+            return False
+        if key.state is not KeyState.RETRY_WAIT:
+            return False
+        f.waiting = [(min(due, now) if s == scope_id else due, t, s) for due, t, s in f.waiting]
+        heapq.heapify(f.waiting)
+        return True
 
     def on_scan_started(
         self, family: str, scan_generation: int, upper_sequence: int | None, checkpoint: datetime
@@ -587,7 +629,7 @@ class Scheduler:
             if row.pending_sequence <= current.after_sequence:
                 continue
             progressed = True
-            if row.scope_id not in f.keys:
+            if row.scope_id not in f.keys and row.scope_id not in f.parked:
                 # Busy keys are skipped: a running key's new requests surface at its exit
                 # (more_requested), a waiting key keeps its backoff and reads the latest G later.
                 if not f.has_room():

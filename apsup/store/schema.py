@@ -138,4 +138,33 @@ leases = Table(
     Column("expires_at", Timestamp, nullable=True),
 )
 
+#: Operator and failure state of a Scope (beside the RFC's tables; revision apsup_0007): a row
+#: exists while the Scope fails, is parked, or has an operator's retry/stop pending.
+scope_states = Table(
+    "pc_artifact_processing_scope_states",
+    metadata,
+    Column("binding_name", Identifier(BINDING_LENGTH), primary_key=True),
+    Column("scope_id", Identifier(SCOPE_LENGTH), primary_key=True),
+    Column("consecutive_failures", BigInteger, nullable=False, server_default=text("0")),
+    Column("last_error_type", String(200), nullable=True),
+    Column("last_error", String(400), nullable=True),
+    Column("last_failure_at", Timestamp, nullable=True),
+    Column("next_attempt_at", Timestamp, nullable=True),
+    Column("parked", Boolean, nullable=False, server_default=text("0")),
+    Column("parked_at", Timestamp, nullable=True),
+    Column("retry_requested", Boolean, nullable=False, server_default=text("0")),
+    Column("stop_requested", Boolean, nullable=False, server_default=text("0")),
+    Index("ix_scope_states_failing", "binding_name", "consecutive_failures"),
+)
+
+#: A family's pause flag, and a version every operator action on the family advances.
+family_controls = Table(
+    "pc_artifact_processing_family_controls",
+    metadata,
+    Column("binding_name", Identifier(BINDING_LENGTH), primary_key=True),
+    Column("paused", Boolean, nullable=False, server_default=text("0")),
+    Column("paused_at", Timestamp, nullable=True),
+    Column("control_version", BigInteger, nullable=False, server_default=text("0")),
+)
+
 PENDING_SEQUENCE_COUNTER = "pending_sequence"

@@ -43,6 +43,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from apsup.errors import ConfigError
 from apsup.observability.health import HealthServer, Heartbeat, fan_in
+from apsup.observability.logging import error_fields
 from apsup.observability.metrics import supervisor_port
 from apsup.observability.status import StatusSnapshot, SupervisorStatus
 from apsup.policy import Cron, Disabled, Interval
@@ -301,7 +302,7 @@ class DedicatedLauncher:
         except OSError as exc:
             log.error(
                 "could not start family Supervisor process",
-                extra={"family": child.family, "exception_type": type(exc).__name__},
+                extra={"family": child.family, **error_fields(exc)},
             )
             self._schedule_restart(child, time.monotonic(), uptime=0.0)
             return

@@ -27,7 +27,7 @@ from multiprocess.connection import wait
 
 from apsup.observability.logging import error_fields, exception_message
 from apsup.scheduling import Backoff
-from apsup.store import SqlBackend, intents
+from apsup.store import SqlBackend, intents, operator_state
 from apsup.store.leases import ModeConflictError, new_holder_id
 from apsup.supervisor.control import ALL, ControlChannel
 from apsup.supervisor.drain import drain
@@ -452,10 +452,23 @@ class Host:
         bindings = {fam.binding_name for sup in sups for fam in sup.families.values()}
         with self.backend.read() as conn:
             pending = intents.bindings_with_requests(conn, bindings)
+            controls = operator_state.controls(conn, bindings)
         for sup in sups:
             for name, fam in sup.families.items():
                 if fam.binding_name in pending:
                     sup.notify(name)
+            sup.refresh_controls(controls)  # operator actions, seen within one poll
+
+    def _refresh_controls(self) -> None:
+        """Operator actions on a wake-up (SQLite: the CLI notifies, the file watch sees it)."""
+        sups = [sup for sup in self.supervisors if sup.established]
+        if not sups:
+            return
+        bindings = {fam.binding_name for sup in sups for fam in sup.families.values()}
+        with self.backend.read() as conn:
+            controls = operator_state.controls(conn, bindings)
+        for sup in sups:
+            sup.refresh_controls(controls)
 
     def _deliver_exits(self) -> None:
         for ex in self.pool.poll():
@@ -505,13 +518,14 @@ class Host:
             with self.backend.engine.begin():
                 pass
         except Exception as exc:
-            log.debug("wake-up barrier failed", extra={"exception_type": type(exc).__name__})
+            log.debug("wake-up barrier failed", extra={**error_fields(exc)})
         for sup in self.supervisors:
             if ALL in names:
                 sup.notify_all()
             else:
                 for family in names:
                     sup.notify(family)
+        self._refresh_controls()
 
     def _sleep(self, max_wait: float | None) -> None:
         timeout = self._timeout()

@@ -25,6 +25,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from apsup.observability.logging import error_fields
+
 log = logging.getLogger("apsup.host")
 
 #: Default renew deadline as a share of the Lease: two renewal attempts fit before it when the
@@ -143,7 +145,7 @@ class LeaseKeeper:
                 except Exception as exc:  # the loop drops the term anyway
                     log.error(
                         "step-down hook failed",
-                        extra={"supervisor_key": key, "exception_type": type(exc).__name__},
+                        extra={"supervisor_key": key, **error_fields(exc)},
                     )
 
     def close(self) -> None:

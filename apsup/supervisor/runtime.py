@@ -39,7 +39,12 @@ from sqlalchemy.exc import DBAPIError
 from apsup.errors import ConfigError, StartupInterrupted
 from apsup.observability import tracing
 from apsup.observability.health import HealthServer, Heartbeat
-from apsup.observability.logging import log_startup, register_dsn
+from apsup.observability.logging import (
+    error_fields,
+    exception_message,
+    log_startup,
+    register_dsn,
+)
 from apsup.observability.metrics import SupervisorMetrics
 from apsup.observability.status import FamilyStatus, StatusSnapshot, SupervisorStatus
 from apsup.observability.tracing import InvocationSpans
@@ -211,7 +216,9 @@ class HostObserver:
         try:
             rows = host.backend.lease_rows()
         except Exception as exc:
-            self._lease_error = f"lease table unreadable: {type(exc).__name__}"
+            self._lease_error = (
+                f"lease table unreadable: {type(exc).__name__}: {exception_message(exc)}"
+            )
             return
         self._lease_error = None
         self._lease_view = {r.supervisor_key: (r.holder_id, r.generation) for r in rows}
@@ -278,6 +285,10 @@ class HostObserver:
                 elif sup.term is not None and name in sup.reconciling:
                     pages = sup.reconciling[name].pages
                     status, reason = "degraded", f"reconciling ({pages} pages so far)"
+                failing, failing_count = sup.controls.view(name)
+                paused = sup.controls.paused.get(name, False)
+                if paused and reason is None:  # a choice, like a disabled policy: not degraded
+                    reason = "paused by the operator (apsup families resume)"
                 running = snap.running if snap is not None else 0
                 ready = snap.ready if snap is not None else 0
                 retry_wait = snap.retry_wait if snap is not None else 0
@@ -293,6 +304,10 @@ class HostObserver:
                     "unacknowledged": self._unacked.get(name),
                     "unconfirmed": unconfirmed.get(name, 0),
                     "policy": fam.policy.describe(),
+                    "paused": paused,
+                    "failing_count": failing_count,
+                    "failing": failing,
+                    "running_scopes": _running_scopes(sup, name),
                 }
                 self.metrics.update_family(name, fam.max_workers, running, ready, retry_wait)
                 if snap is not None:
@@ -338,7 +353,7 @@ def _check_schema(backend: SqlBackend) -> bool:
     except DBAPIError as exc:
         log.warning(
             "database check failed at startup; will keep trying",
-            extra={"exception_type": type(exc).__name__},
+            extra={**error_fields(exc)},
         )
         return False
     return True
@@ -579,6 +594,19 @@ class Runtime:
                 relay.close()
                 self._host = None
                 log.info("runtime stopped", extra={"mode": mode, "role": s.role})
+
+
+def _running_scopes(sup: Any, family: str, limit: int = 20) -> list[dict[str, Any]]:
+    """The running invocations of ``family`` (oldest first, capped): Scope, age, Worker id."""
+    now = time.monotonic()
+    runs = sorted(
+        (inv for inv in list(sup.running.values()) if inv.family.name == family),
+        key=lambda inv: inv.started,
+    )
+    return [
+        {"scope": inv.scope_id, "age": round(now - inv.started, 3), "worker_id": inv.worker_id}
+        for inv in runs[:limit]
+    ]
 
 
 def _any(families: Sequence[Family]) -> list[Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import random
+import signal
 import time
 import uuid
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from sqlalchemy import Connection
 
 from apsup.context import ExecutionContext
 from apsup.errors import StaleTermError
+from apsup.observability.logging import error_fields, exception_message
 from apsup.registry import Family, Reconciler
 from apsup.scheduling import (
     Admit,
@@ -40,7 +42,9 @@ from apsup.scheduling import (
 )
 from apsup.store import SqlBackend, intents, scans
 from apsup.store.leases import Term
+from apsup.store.operator_state import FamilyControl
 from apsup.store.storage import DESCRIBE, storage_error_kind
+from apsup.supervisor.operator_controls import OperatorControls
 from apsup.workers.exit_codes import STORAGE_EXITS, ExitCode
 from apsup.workers.invoke import TARGET
 from apsup.workers.pool import WorkerExit, WorkerPool
@@ -174,6 +178,10 @@ class Supervisor:
         #: Families whose last database write was refused by the storage (disk full, read-only,
         #: I/O): an infrastructure condition, degraded until one of their writes succeeds.
         self.storage_unavailable: dict[str, str] = {}
+        #: Operator actions and each Scope's failure state (``operator_controls``).
+        self.controls = OperatorControls(self.families, backend)
+        #: Workers an operator stopped (``apsup scopes stop``): their exit says so.
+        self.operator_stopped: set[str] = set()
 
     # -- time ------------------------------------------------------------------------------
     def sync_clock(self) -> None:
@@ -226,6 +234,9 @@ class Supervisor:
             states = self.backend.run_fenced(
                 term, functools.partial(_load_states, list(self.families.values()))
             )
+            stage = "controls"
+            with self.backend.read() as conn:
+                self.controls.load(conn)
         except StaleTermError as exc:
             self.lose_leadership(f"stale term while establishing: {exc}")
             return False
@@ -233,14 +244,16 @@ class Supervisor:
             self.establish_failures += 1
             delay = ESTABLISH_BACKOFF.delay(self.establish_failures)
             self._establish_due = time.monotonic() + delay
-            self.establish_error = f"term not established ({stage}: {type(exc).__name__})"
+            self.establish_error = (
+                f"term not established ({stage}: {type(exc).__name__}: {exception_message(exc)})"
+            )
             log.error(
                 "term establishment failed",
                 extra={
                     "supervisor_key": self.key,
                     "term": term.generation,
                     "stage": stage,
-                    "exception_type": type(exc).__name__,
+                    **error_fields(exc),
                     "retry_count": self.establish_failures,
                     "retry_delay": round(delay, 3),
                 },
@@ -262,6 +275,7 @@ class Supervisor:
                 core.restore(name, state)
             else:
                 self.reconciling[name] = _Reconciliation(state)
+        self.controls.apply(core)
         self.core = core
         self.establish_error = None
         self.establish_failures = 0
@@ -293,13 +307,15 @@ class Supervisor:
                         functools.partial(_reconcile_page, reconcile, fam, run.token)
                     )
                 except Exception as exc:
-                    self.unreconciled[name] = f"reconcile: {type(exc).__name__}"
+                    self.unreconciled[name] = (
+                        f"reconcile: {type(exc).__name__}: {exception_message(exc)}"
+                    )
                     log.error(
                         "reconciliation failed",
                         extra={
                             "family": name,
                             "stage": "reconcile",
-                            "exception_type": type(exc).__name__,
+                            **error_fields(exc),
                             "pages": run.pages,
                         },
                     )
@@ -391,7 +407,7 @@ class Supervisor:
                 family = getattr(decision, "family", "?")
                 stage = type(decision).__name__
                 self._storage_failed(family, exc, stage)
-                self.degraded[family] = f"{stage}: {type(exc).__name__}"
+                self.degraded[family] = f"{stage}: {type(exc).__name__}: {exception_message(exc)}"
                 log.error(
                     "family step failed",
                     extra={
@@ -400,7 +416,7 @@ class Supervisor:
                         if family in self.families
                         else family,
                         "stage": stage,
-                        "exception_type": type(exc).__name__,
+                        **error_fields(exc),
                         "term": self.term.generation if self.term else None,
                     },
                 )
@@ -530,10 +546,11 @@ class Supervisor:
             # exits meanwhile; a launch that fails later comes back as an exit (``on_exit``).
             self.pool.submit(worker_id, TARGET, ctx.to_bytes(), fam.timeout)
         except Exception as exc:
-            self._launch_failed(self.running[worker_id], type(exc).__name__)
+            self._launch_failed(self.running[worker_id], type(exc).__name__, exception_message(exc))
 
-    def _launch_failed(self, inv: Invocation, error: str) -> None:
+    def _launch_failed(self, inv: Invocation, error: str, message: str | None = None) -> None:
         """Nothing started: report a failed invocation so the key backs off and retries."""
+        message = message or f"the Worker could not be launched ({error})"
         log.error(
             "worker launch failed",
             extra={
@@ -541,6 +558,7 @@ class Supervisor:
                 "scope": inv.scope_id,
                 "worker_id": inv.worker_id,
                 "exception_type": error,
+                "error": message,
                 "stage": "launch",
             },
         )
@@ -551,6 +569,7 @@ class Supervisor:
         self.core.on_worker_exit(
             inv.family.name, inv.scope_id, Outcome.FAILURE, False, self.now(), token=inv.token
         )
+        self._record_failure(inv, error, message)
 
     # -- worker exits ------------------------------------------------------------------------
     def owns(self, worker_id: str) -> bool:
@@ -588,7 +607,7 @@ class Supervisor:
                     "scope": inv.scope_id,
                     "worker_id": inv.worker_id,
                     "stage": "classify",
-                    "exception_type": type(exc).__name__,
+                    **error_fields(exc),
                     "retry_count": attempts,
                     "retry_delay": round(delay, 3),
                 },
@@ -646,12 +665,36 @@ class Supervisor:
             self.lose_leadership("a Worker found the term stale")
             return
         self.core.on_worker_exit(fam.name, inv.scope_id, outcome, more, self.now(), token=inv.token)
-        if outcome is Outcome.SUCCESS and log.isEnabledFor(logging.DEBUG):
-            log.debug("invocation succeeded", extra=_success_fields(inv, ex.duration))
+        stopped = inv.worker_id in self.operator_stopped
+        self.operator_stopped.discard(inv.worker_id)
+        if outcome is Outcome.SUCCESS:
+            self.controls.on_success(self.term, fam.name, inv.scope_id)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("invocation succeeded", extra=_success_fields(inv, ex.duration))
         if outcome is not Outcome.SUCCESS:
             details = self.hooks.exit_details(inv.worker_id, ex.exitcode)
+            if stopped:
+                details["error"] = "stopped by the operator (apsup scopes stop); parked"
+            elif not details.get("error") and details.get("exception_type"):
+                details["error"] = (
+                    f"the processor raised {details['exception_type']}; its message is withheld "
+                    "(the family sets log_exception_messages=False)"
+                )
+            elif not details.get("error"):
+                details["error"] = _exit_error(cause, ex, fam.timeout)
             info = self.core.key_info(fam.name, inv.scope_id)
             retry_at = info.retry_at if info is not None else None
+            if outcome is Outcome.FAILURE or outcome is Outcome.TIMEOUT:
+                self.controls.on_failure(
+                    self.term,
+                    fam.name,
+                    inv.scope_id,
+                    failures=info.consecutive_failures if info is not None else 1,
+                    error_type=details.get("exception_type") or cause,
+                    error=details.get("error"),
+                    at=self.now(),
+                    next_attempt_at=retry_at,
+                )
             log.warning(
                 "invocation failed",
                 extra={
@@ -674,6 +717,40 @@ class Supervisor:
                     ),
                 },
             )
+
+    def _record_failure(self, inv: Invocation, error_type: str, message: str) -> None:
+        """A launch failure counts as the Scope's failure (its key backs off like one)."""
+        if self.core is None or self.term is None:
+            return
+        info = self.core.key_info(inv.family.name, inv.scope_id)
+        self.controls.on_failure(
+            self.term,
+            inv.family.name,
+            inv.scope_id,
+            failures=info.consecutive_failures if info is not None else 1,
+            error_type=error_type,
+            error=message,
+            at=self.now(),
+            next_attempt_at=info.retry_at if info is not None else None,
+        )
+
+    # -- operator actions ---------------------------------------------------------------------
+    def refresh_controls(self, controls: dict[str, FamilyControl]) -> None:
+        """Apply operator actions whose family control version moved (see
+        ``operator_controls``); the host calls it with every request poll and wake-up."""
+        if self.core is None or self.term is None:
+            return
+        self.controls.refresh(controls, self.core, self.term, self.now(), self._stop_scope)
+
+    def _stop_scope(self, family: str, scope_id: str) -> bool:
+        """End the running invocation of (family, scope): SIGTERM now, SIGKILL after the pool's
+        grace; its exit is recorded as stopped by the operator. False if none runs."""
+        for wid, inv in self.running.items():
+            if inv.family.name == family and inv.scope_id == scope_id:
+                self.operator_stopped.add(wid)
+                self.pool.terminate([wid])
+                return True
+        return False
 
     def _storage_failed(self, family: str, error: BaseException | str, stage: str) -> None:
         """Record a storage-level refusal (no-op for any other error): log the transition,
@@ -768,6 +845,23 @@ class Supervisor:
     def notify_all(self) -> None:
         for name in self.families:
             self.notify(name)
+
+
+def _exit_error(cause: str | None, ex: WorkerExit, timeout: float) -> str:
+    """Why an invocation failed when its processor raised nothing the host heard of."""
+    if cause == "timeout":
+        return f"timed out after {timeout:g}s (the family's WORKER_TIMEOUT_SECONDS)"
+    if cause == "no_ack":
+        return "exited 0 without acknowledging its request (a durable acknowledgment is missing)"
+    if cause == "stale_term":
+        return "its term was superseded before it could commit"
+    if ex.signal is not None:
+        try:
+            name = signal.Signals(ex.signal).name
+        except ValueError:
+            name = f"signal {ex.signal}"
+        return f"the Worker was killed by {name}"
+    return f"the Worker exited with code {ex.exitcode} ({ex.reason})"
 
 
 def _success_fields(inv: Invocation, duration: float) -> dict[str, Any]:

@@ -25,6 +25,7 @@ keep       like ok without marking clean (the Scope stays dirty)
 gate       wait for flag ``gate:<scope>``, then like ok
 hold       wait for flag ``hold:<family>``, then like ok
 fail       always raise (an ordinary failure)
+leak       always raise a ValueError whose message quotes a URL password and a ``secret=`` pair
 crash      attempt 1: SIGKILL itself; later attempts like ok
 exit1      attempt 1: ``os._exit(1)``; later attempts like ok
 noack      attempt 1: ``os._exit(0)`` without acknowledging; later attempts like ok
@@ -357,6 +358,12 @@ def behave(scope_id: str, ctx: ExecutionContext) -> None:
     elif kind == "fail":
         _note(ctx, event_id, "fail")
         raise RuntimeError("acceptance: this Scope always fails")
+    elif kind == "leak":  # a message quoting a credential, as a careless driver error would
+        _note(ctx, event_id, "fail")
+        raise ValueError(
+            "boom-token-7731 cannot reach mysql://svc:hunter2pw@db.internal:3306/app "
+            "(secret=s3cr3t-value)"
+        )
     elif kind in ("crash", "exit1", "noack", "hang", "soft") and attempt == 1:
         _first_attempt_misbehaves(kind, ctx, event_id)
     elif kind in ("crash", "exit1", "noack", "hang", "soft"):

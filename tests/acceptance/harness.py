@@ -117,6 +117,7 @@ class LiveHost:
         shutdown_grace: float = 3.0,
         grace_seconds: float = 1.0,
         start: bool = True,
+        hooks: Any = None,
     ) -> None:
         self.url = url
         self._patch = patched_scheduler(scheduler_class(page_size=page_size))
@@ -130,6 +131,7 @@ class LiveHost:
                 grace_seconds=grace_seconds,
                 lease=lease_policy(),
                 backoff=make_backoff(backoff),
+                hooks=hooks,
             )
         except BaseException:
             self._patch.__exit__(None, None, None)

@@ -94,7 +94,10 @@ MUTANTS: dict[str, tuple[list[tuple[str, str]], str]] = {
     # name: ([(original, replacement)], regex the failure reason must match)
     "second dispatch for a running key": (
         [
-            ("            if row.scope_id not in f.keys:\n", "            if True:\n"),
+            (
+                "            if row.scope_id not in f.keys and row.scope_id not in f.parked:\n",
+                "            if True:\n",
+            ),
             (
                 "        if scope_id in f.keys:\n            return",
                 "        if False:\n            return",
@@ -103,7 +106,12 @@ MUTANTS: dict[str, tuple[list[tuple[str, str]], str]] = {
         r"second Worker|Workers are live|but the core has it",
     ),
     "budget not enforced": (
-        [("if f.ready and f.running < f.budget:", "if f.ready and f.running <= f.budget:")],
+        [
+            (
+                "if f.ready and f.running < f.budget and not f.paused:",
+                "if f.ready and f.running <= f.budget and not f.paused:",
+            )
+        ],
         r"budget|Workers are live",
     ),
     "no backoff": (
