@@ -88,6 +88,15 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 def cmd_check_config(args: argparse.Namespace) -> int:
     registry = _import_apps(args.app)
     settings = _settings(args, registry)
+    if getattr(args, "db", None):  # the database too: schema at this code's revision, tables
+        from apsup.store import open_backend
+        from apsup.supervisor.startup import check_schema, needs_reference_tables
+
+        backend = open_backend(settings.database_url, control=True)
+        try:
+            check_schema(backend, reference_families=needs_reference_tables(registry))
+        finally:
+            backend.dispose()
     report = settings.effective_report()
     if args.json:
         sys.stdout.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() + "\n")

@@ -9,12 +9,16 @@
 # from the PyPI package pylibseekdb) on 127.0.0.1 and creates the database. It migrates the
 # schema, starts the replicas (logs and pids under var/local-cluster/), waits until each one
 # answers /healthz, prints the endpoints, and runs until Ctrl-C (or --seconds), then stops
-# every replica (SIGTERM, confirmed) and the server it started.
+# every replica (SIGTERM, confirmed) and the server it started. With --seconds it then checks
+# every replica once more and exits 1 if one is not ready or reports a degraded family.
 #
 # Replica i listens on P + 10*i (dedicated mode also uses the next ports, one per family);
 # --base-port 0 picks free ports (global mode).
-# Environment: APSUP_PYTHON (default .venv/bin/python), POWERCONTEXT_SERVER_RUNTIME_* are passed
-# through (e.g. family settings); lease/renew/poll default to 3/1/0.5 s here.
+# Environment: APSUP_PYTHON (default .venv/bin/python; any interpreter with apsup[mysql]
+# installed), POWERCONTEXT_SERVER_RUNTIME_* are passed through (e.g. family settings);
+# lease/renew/poll default to 3/1/0.5 s here. --app modules are imported as `apsup run` does:
+# installed, on PYTHONPATH, or in the current directory. The reference families (the default
+# app, apsup.families.*) get their tables: the migration adds --with-reference-families.
 # tests/replicas/ mirrors this layout in Python for the fault tests.
 set -euo pipefail
 
@@ -131,8 +135,9 @@ PYEOF
 
 [ -n "$URL" ] || start_seekdb
 
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export POWERCONTEXT_SERVER_RUNTIME_DATABASE_URL=$URL
+# The DSN (with its password) for the hint below, readable by this user only.
+(umask 077 && printf '%s\n' "$URL" >"$STATE/db-url")
 export POWERCONTEXT_SERVER_RUNTIME_ARTIFACT_PROCESSING_SUPERVISOR_MODE=$MODE
 export POWERCONTEXT_SERVER_RUNTIME_LEASE_SECONDS=${POWERCONTEXT_SERVER_RUNTIME_LEASE_SECONDS:-3}
 export POWERCONTEXT_SERVER_RUNTIME_RENEW_SECONDS=${POWERCONTEXT_SERVER_RUNTIME_RENEW_SECONDS:-1}
@@ -140,8 +145,13 @@ export POWERCONTEXT_SERVER_RUNTIME_POLL_SECONDS=${POWERCONTEXT_SERVER_RUNTIME_PO
 export POWERCONTEXT_SERVER_RUNTIME_HTTP_HOST=127.0.0.1
 export POWERCONTEXT_SERVER_RUNTIME_LOG_FORMAT=${POWERCONTEXT_SERVER_RUNTIME_LOG_FORMAT:-json}
 
-echo "local-cluster: migrating"
-"$PY" -m apsup.cli migrate >"$STATE/migrate.log" 2>&1 || { cat "$STATE/migrate.log" >&2; die "migration failed"; }
+MIGRATE_ARGS=()
+for app in "${APPS[@]}"; do
+    case $app in apsup.families | apsup.families.*) MIGRATE_ARGS=(--with-reference-families) ;; esac
+done
+echo "local-cluster: migrating ${MIGRATE_ARGS[*]}"
+"$PY" -m apsup.cli migrate "${MIGRATE_ARGS[@]}" >"$STATE/migrate.log" 2>&1 ||
+    { cat "$STATE/migrate.log" >&2; die "migration failed"; }
 
 start_replica() { # name role index
     local name=$1 role=$2 index=$3 port
@@ -185,9 +195,34 @@ for name in names:
 PYEOF
 
 echo "local-cluster: running (mode $MODE); /healthz /readyz /metrics /status on each port."
-echo "local-cluster: trigger work with: $PY -m apsup.cli trigger FAMILY SCOPE ${APP_ARGS[*]}"
+echo "local-cluster: trigger work with:" \
+    "$PY -m apsup.cli trigger FAMILY SCOPE ${APP_ARGS[*]} --db \"\$(cat $STATE/db-url)\""
+echo "local-cluster: watch it with: $PY -m apsup.cli status --db \"\$(cat $STATE/db-url)\""
 if [ "$SECONDS_TO_RUN" != 0 ]; then
     sleep "$SECONDS_TO_RUN"
+    "$PY" - "$STATE" "${NAMES[@]}" <<'PYEOF' || die "a replica is not healthy after ${SECONDS_TO_RUN}s (logs in $STATE)"
+import json, sys, urllib.error, urllib.request
+state, names = sys.argv[1], sys.argv[2:]
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+bad = []
+for name in names:
+    port = open(f"{state}/{name}.port").read().strip()
+    try:
+        with opener.open(f"http://127.0.0.1:{port}/readyz", timeout=5) as resp:
+            body = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        body = json.loads(exc.read())
+    except Exception as exc:
+        bad.append(f"{name}: /readyz unreachable ({exc})")
+        continue
+    degraded = {f: v["reason"] for f, v in body.get("families", {}).items() if v["status"] == "degraded"}
+    if body["status"] not in ("ok", "standby") or degraded:
+        bad.append(f"{name}: {body['status']} ({body.get('reason')}) {degraded or ''}")
+for line in bad:
+    print(f"local-cluster: {line}", file=sys.stderr)
+print(f"local-cluster: {len(names) - len(bad)} of {len(names)} replicas ready, no family degraded" if not bad else "")
+sys.exit(1 if bad else 0)
+PYEOF
 else
     echo "local-cluster: Ctrl-C to stop"
     while :; do sleep 3600; done

@@ -104,3 +104,30 @@ def test_run_refuses_a_database_never_migrated_by_apsup(db_url: str) -> None:
     finally:
         backend.dispose()
     assert_refused(run(db_url), "no apsup schema revision")
+
+
+def _cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(PREFIX)}
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "apsup.cli", *args, "--db", url],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"apsup {args[0]} started without the families' tables: {exc.stderr!r}")
+
+
+@pytest.mark.parametrize("command", ["run", "check-config"])
+def test_reference_families_without_their_tables_are_refused(db_url: str, command: str) -> None:
+    """The default app of deploy/ is a reference family: migrated without
+    --with-reference-families, the host used to start and stay degraded
+    (``reconcile: ProgrammingError``) for ever."""
+    migrate(db_url)  # the framework only
+    out = _cli(db_url, command, "--app", "apsup.families.topic_memory")
+    assert_refused(out, "--with-reference-families")
+    migrate(db_url, reference_families=True)
+    ok = _cli(db_url, "check-config", "--app", "apsup.families.topic_memory")
+    assert ok.returncode == 0, ok.stderr

@@ -155,9 +155,10 @@ def _unknown(script: ScriptDirectory, revisions: Iterable[str]) -> list[str]:
     return unknown
 
 
-def check(conn: sa.Connection) -> None:
+def check(conn: sa.Connection, *, reference_families: bool = False) -> None:
     """Raise ``SchemaRevisionError`` unless the database is at the newest revision of the
-    framework branch (and of the families branch, when it was migrated): code and schema that
+    framework branch (and of the families branch, when it was migrated or when
+    ``reference_families`` says the registered families need its tables): code and schema that
     disagree make processors and reconcilers fail forever instead of failing once, here."""
     state = read(conn)
     if state.legacy:
@@ -181,6 +182,12 @@ def check(conn: sa.Connection) -> None:
     expected = [branch_head(script, FRAMEWORK_BRANCH)]
     if _families_applied(script, applied):
         expected.append(branch_head(script, FAMILIES_BRANCH))
+    elif reference_families:
+        raise SchemaRevisionError(
+            "the reference families' tables are missing (apsup's families branch was never "
+            "migrated): run `apsup migrate --with-reference-families` during maintenance, then "
+            "start again"
+        )
     missing = [rev for rev in expected if rev not in applied]
     if missing:
         how = "`apsup migrate`"

@@ -57,7 +57,7 @@ from apsup.supervisor.dedicated import DedicatedLauncher
 from apsup.supervisor.host import Host, LeasePolicy
 from apsup.supervisor.launcher import MODES, build_host
 from apsup.supervisor.process import configure_logs, main_thread, signals
-from apsup.supervisor.startup import check_schema
+from apsup.supervisor.startup import check_schema, needs_reference_tables
 from apsup.supervisor.supervisor import Hooks
 from apsup.supervisor.visibility import ScrapeCounter, observe_stall, publish_intervals
 from apsup.workers.exit_codes import ExitCode
@@ -343,13 +343,13 @@ class HostObserver:
         }
 
 
-def _check_schema(backend: SqlBackend) -> bool:
+def _check_schema(backend: SqlBackend, families: Sequence[Family] = ()) -> bool:
     """Fail fast with a clear message on a configuration error (schema missing or at another
     revision, credentials refused, no such database); an infrastructure error is logged and
     returns False: the host runs the check again before its first claim, retrying until the
     database answers (a standby must not exit because the database is briefly away)."""
     try:
-        check_schema(backend)
+        check_schema(backend, reference_families=needs_reference_tables(families))
     except DBAPIError as exc:
         log.warning(
             "database check failed at startup; will keep trying",
@@ -447,7 +447,7 @@ class Runtime:
             elif self.topology == "processes":
                 backend = open_backend(s.database_url, control=True)  # time-limited calls
                 try:
-                    _check_schema(backend)
+                    _check_schema(backend, self.families())
                 finally:
                     backend.dispose()  # no connection survives into the children's spawn
                 self._launcher = DedicatedLauncher(s, self.registry, backoff=self.backoff)
@@ -484,7 +484,7 @@ class Runtime:
         s = self.settings
         backend = open_backend(s.database_url, control=True)  # time-limited calls
         try:
-            _check_schema(backend)
+            _check_schema(backend, self.families())
         finally:
             backend.dispose()
         log_startup(
@@ -527,7 +527,7 @@ class Runtime:
         worker_env = s.worker_env(families[0].name) if len(families) == 1 else s.worker_env()
         backend = open_backend(s.database_url, control=True)  # time-limited calls
         try:
-            schema_checked = _check_schema(backend)
+            schema_checked = _check_schema(backend, families)
         finally:
             backend.dispose()
         relay = WorkerLogRelay()  # Worker logging, print and stderr join this process's log
@@ -551,7 +551,14 @@ class Runtime:
         host = bundle.host
         host.shutdown_drain = s.shutdown_drain_seconds
         if not schema_checked:  # checked again before the first claim, until it can run
-            host.preflight.insert(0, functools.partial(check_schema, bundle.backend))
+            host.preflight.insert(
+                0,
+                functools.partial(
+                    check_schema,
+                    bundle.backend,
+                    reference_families=needs_reference_tables(families),
+                ),
+            )
         heartbeat = Heartbeat()
         observer = HostObserver(
             role=s.role,

@@ -9,9 +9,12 @@ with code 2 and one line saying what to change.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from sqlalchemy.exc import DBAPIError
 
 from apsup.errors import ConfigError
+from apsup.registry import Family
 from apsup.store import SqlBackend
 from apsup.store.revision import check as check_revision
 
@@ -60,13 +63,21 @@ def configuration_problem(exc: BaseException, backend: SqlBackend) -> ConfigErro
     return None
 
 
-def check_schema(backend: SqlBackend) -> None:
-    """Raise ``ConfigError`` when the schema is missing or at another revision; infrastructure
-    errors propagate unchanged (the caller retries)."""
+def needs_reference_tables(families: Iterable[Family]) -> bool:
+    """Whether any of ``families`` is one of apsup's reference families, whose tables come with
+    ``apsup migrate --with-reference-families``."""
+    return any(f.entry_point.startswith("apsup.families.") for f in families)
+
+
+def check_schema(backend: SqlBackend, *, reference_families: bool = False) -> None:
+    """Raise ``ConfigError`` when the schema is missing or at another revision, or when
+    ``reference_families`` and their tables are missing; infrastructure errors propagate
+    unchanged (the caller retries)."""
     try:
         backend.lease_rows()
         with backend.read() as conn:
-            check_revision(conn)  # behind or ahead of this code: names `apsup migrate`
+            # behind or ahead of this code: names `apsup migrate` (and its flag)
+            check_revision(conn, reference_families=reference_families)
     except DBAPIError as exc:
         problem = configuration_problem(exc, backend)
         if problem is not None:

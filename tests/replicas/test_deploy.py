@@ -171,3 +171,38 @@ def test_local_cluster_script_starts_one_leader_and_standbys(db_url: str) -> Non
     assert out.stdout.count("global=leader") == 1, out.stdout
     assert out.stdout.count("global=standby") == 1, out.stdout
     assert "local-cluster: stopped" in out.stdout
+
+
+@pytest.mark.mysql_only
+@pytest.mark.timeout(240)
+def test_local_cluster_runs_its_default_app_ready_and_not_degraded(
+    db_url: str, tmp_path: Path
+) -> None:
+    """As an operator first meets it: the default app (a reference family), no --app, a fresh
+    database. The script migrates what that app needs, every replica becomes ready, and after
+    30 s none is down and no family is degraded (before: ``reconcile: ProgrammingError``). It
+    runs from another directory, and its printed hints run as printed."""
+    script = DEPLOY / "local-cluster.sh"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(PREFIX)}
+    env["APSUP_PYTHON"] = sys.executable
+    env.pop("PYTHONPATH", None)
+    out = subprocess.run(
+        [
+            *("bash", str(script), "--url", db_url, "--background", "2", "--api", "1"),
+            *("--seconds", "30", "--base-port", "0"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=200,
+        cwd=str(tmp_path),
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "3 of 3 replicas ready, no family degraded" in out.stdout, out.stdout + out.stderr
+    hint = next(line for line in out.stdout.splitlines() if "watch it with:" in line)
+    command = hint.split("watch it with: ", 1)[1] + " --json"
+    shown = subprocess.run(
+        ["bash", "-c", command], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert "topic-memory" in shown.stdout
