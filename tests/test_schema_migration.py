@@ -42,7 +42,11 @@ pytestmark = pytest.mark.timeout(120)
 
 FRAMEWORK_TABLES = set(metadata.tables)
 #: Added by apsup_0007 (operator and failure state), absent at apsup_0001.
-OPERATOR_TABLES = {"pc_artifact_processing_scope_states", "pc_artifact_processing_family_controls"}
+OPERATOR_TABLES = {
+    "pc_artifact_processing_scope_states",
+    "pc_artifact_processing_family_controls",
+    "pc_artifact_processing_replicas",
+}
 CHECK_VIOLATION = 3819  # MySQL 8 ER_CHECK_CONSTRAINT_VIOLATED, also raised by seekdb
 
 

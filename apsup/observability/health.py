@@ -254,6 +254,8 @@ def fan_in(
                 merged["supervisors"].append(_unreachable(url, f"{type(exc).__name__}: {exc}"))
                 continue
             merged["role"], merged["mode"] = child["role"], child["mode"]
+            if "replicas" in child and "replicas" not in merged:
+                merged["replicas"] = child["replicas"]
             age = child.get("heartbeat_age")
             stale = age is None or age > liveness_timeout
             for sup in child["supervisors"]:

@@ -74,6 +74,9 @@ class StatusSnapshot(TypedDict):
     mode: str  # global | dedicated
     supervisors: list[SupervisorStatus]
     heartbeat_age: float | None  # seconds since the loop's last heartbeat; None if unknown
+    #: Live replicas (elected backends): holder_id, replica_id, host, pid, version, role, mode,
+    #: http, started_at, last_seen, leads (Supervisor keys whose Lease it holds), this.
+    replicas: NotRequired[list[dict[str, Any]]]
 
 
 StatusProvider = Callable[[], StatusSnapshot]

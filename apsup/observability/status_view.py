@@ -50,7 +50,7 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from apsup.errors import ConfigError
 from apsup.observability.logging import exception_message, redact, register_dsn
 from apsup.observability.status import StatusSnapshot, evaluate_readiness
-from apsup.store import backend_kind, open_backend, operator_state, redact_url
+from apsup.store import backend_kind, membership, open_backend, operator_state, redact_url
 from apsup.store import intents as intent_store
 from apsup.store import scans as scan_store
 from apsup.store.leases import GLOBAL_KEY, INVALIDATED, LeaseRow, all_leases, dedicated_key
@@ -158,6 +158,7 @@ class DbView:
     families: dict[str, DbFamily]
     leases: list[LeaseRow]
     truncated: bool
+    members: tuple[membership.Member, ...] = ()
 
 
 def _distinct_bindings(conn: Connection, limit: int) -> tuple[list[str], bool]:
@@ -204,7 +205,60 @@ def read_database(backend: Any, extra_bindings: Iterable[str] = ()) -> DbView:
             for name in sorted(names)
         }
         lease_rows = list(all_leases(conn))
-    return DbView(now=now, families=families, leases=lease_rows, truncated=truncated)
+        members = tuple(membership.members(conn))
+    return DbView(
+        now=now, families=families, leases=lease_rows, truncated=truncated, members=members
+    )
+
+
+def _lease_seconds() -> float:
+    """The Lease the replicas run with (``LEASE_SECONDS`` here, else the default 15 s): a
+    membership row older than that belongs to a process that is gone."""
+    from apsup.config import DEFAULT_PREFIX
+
+    try:
+        value = float(os.environ.get(DEFAULT_PREFIX + "LEASE_SECONDS", "") or 15.0)
+    except ValueError:
+        value = 15.0
+    return value if value > 0 else 15.0
+
+
+def live_replicas(db: DbView) -> list[dict[str, Any]]:
+    """Live membership rows, each with the Supervisor keys whose Lease it holds now."""
+    leads: dict[str, list[str]] = {}
+    for r in db.leases:
+        if r.holder_id and r.expires_at is not None and r.expires_at > db.now:
+            leads.setdefault(r.holder_id, []).append(r.supervisor_key)
+    lease = _lease_seconds()
+    return [
+        {**m.as_dict(), "leads": sorted(leads.get(m.holder_id, []))}
+        for m in db.members
+        if m.alive(db.now, lease)
+    ]
+
+
+def member_listener(db_url: str) -> str | None:
+    """A live replica's HTTP listener from membership (MySQL/OceanBase), a leader's first."""
+    try:
+        backend = open_backend(db_url)
+    except Exception:
+        return None
+    try:
+        now = backend.now()
+        with backend.read() as conn:
+            members = membership.members(conn)
+            held = {
+                r.holder_id
+                for r in all_leases(conn)
+                if r.expires_at is not None and r.expires_at > now
+            }
+    except Exception:
+        return None
+    finally:
+        backend.dispose()
+    live = [m for m in members if m.http_address and m.alive(now, _lease_seconds())]
+    live.sort(key=lambda m: (m.holder_id not in held, m.replica_id))
+    return live[0].http_address if live else None
 
 
 def _failing_json(s: operator_state.ScopeState) -> dict[str, Any]:
@@ -495,6 +549,7 @@ def build_view(
         "host": host,
         "leases": [_lease_json(row, now) for row in db.leases],
         "families": families,
+        "replicas": live_replicas(db),
         "truncated": db.truncated,
     }
 
@@ -637,6 +692,12 @@ def render_text(view: dict[str, Any], error: str | None = None) -> str:
         )
     else:
         lines.append("leases: none (no Supervisor has started on this database)")
+    for r in view.get("replicas", []):
+        leads = ", ".join(r["leads"]) or "standby"
+        lines.append(
+            f"replica {r['replica_id'][:8]} {r['host']} pid {r['pid']} {r['role']}/{r['mode']}  "
+            f"{r['http'] or '-'}  leads: {leads}  ·  seen {_ago(_parse(r['last_seen']), now)}"
+        )
     if error:
         lines.append(f"refresh failed: {error}")
     lines.append("")
@@ -697,6 +758,8 @@ def main(
         if make_url(db_url).password:
             register_dsn(db_url)  # any driver message quoting the DSN or password is masked
     host_url = args.url or discover_url() or _local_listener(db_url)
+    if host_url is None and backend_kind(db_url) == "mysql":
+        host_url = member_listener(db_url)  # a replica's row names its listener
     if args.url:
         scheme = urllib.parse.urlsplit(args.url).scheme
         if scheme not in ("http", "https"):

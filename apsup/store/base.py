@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import make_url
@@ -61,6 +61,9 @@ class SqlBackend:
         #: Per key, how long the Lease a refused ``claim_term`` met had left (database time):
         #: a standby tries again right when it runs out instead of a renewal interval later.
         self.held_for: dict[str, float] = {}
+        #: Database time read by the last successful renewal, with this process's monotonic
+        #: time then: the Supervisor's clock estimate is synced from it, without a query.
+        self.renewed_at: tuple[datetime, float] | None = None
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.describe()}>"
@@ -79,6 +82,10 @@ class SqlBackend:
         raise NotImplementedError
 
     def now(self) -> datetime:
+        raise NotImplementedError
+
+    def db_time_sql(self) -> Any:
+        """A SQL expression of database time (naive UTC) to write in a statement."""
         raise NotImplementedError
 
     def claim_term(self, key: str, holder_id: str, lease_seconds: float) -> Term | None:

@@ -52,7 +52,7 @@ from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, Engine, create_engine, event, text, update
+from sqlalchemy import Connection, Engine, create_engine, event, literal_column, text, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.engine.default import DefaultDialect
 from sqlalchemy.exc import DBAPIError, DisconnectionError, IntegrityError
@@ -558,6 +558,9 @@ class MysqlBackend(SqlBackend):
         assert isinstance(value, datetime)
         return value.replace(tzinfo=None)
 
+    def db_time_sql(self) -> Any:
+        return literal_column("UTC_TIMESTAMP(6)")
+
     def now(self) -> datetime:
         with self.read() as conn:
             return self._db_now(conn)
@@ -756,6 +759,7 @@ class MysqlBackend(SqlBackend):
                 .where(leases.c.supervisor_key == term.supervisor_key)
                 .values(expires_at=now + timedelta(seconds=lease_seconds))
             )
+            self.renewed_at = (now, time.monotonic())
             return True
 
         return self.run(body)

@@ -19,7 +19,7 @@ from typing import Any
 from sqlalchemy import Connection, and_, delete, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 
-from apsup.store.schema import family_controls, scope_states
+from apsup.store.schema import binding_states, family_controls, intents, scope_states
 
 #: ``last_error`` is stored cut to this many characters (already redacted by the caller).
 ERROR_CHARS = 400
@@ -155,6 +155,34 @@ def controls(conn: Connection, bindings: Iterable[str]) -> dict[str, FamilyContr
         ).where(family_controls.c.binding_name.in_(chosen))
     )
     return {r[0]: FamilyControl(r[0], bool(r[1]), int(r[2])) for r in rows}
+
+
+def poll(conn: Connection, bindings: Iterable[str]) -> tuple[set[str], dict[str, FamilyControl]]:
+    """An elected leader's poll in one statement: which of ``bindings`` have an explicit request
+    pending (one index probe each, ``ix_intents_request``) and each one's operator controls. A
+    binding without its state row (not yet established) is not reported."""
+    names = sorted(set(bindings))
+    if not names:
+        return set(), {}
+    b, c, f = binding_states.c, intents.c, family_controls.c
+    pending = (
+        select(c.binding_name)
+        .where(c.binding_name == b.binding_name, c.request_pending == 1)
+        .exists()
+    )
+    rows = conn.execute(
+        select(b.binding_name, pending, f.paused, f.control_version)
+        .select_from(binding_states.outerjoin(family_controls, f.binding_name == b.binding_name))
+        .where(b.binding_name.in_(names))
+    )
+    with_requests: set[str] = set()
+    controls: dict[str, FamilyControl] = {}
+    for name, has_request, paused, version in rows:
+        if has_request:
+            with_requests.add(str(name))
+        if version is not None:
+            controls[str(name)] = FamilyControl(str(name), bool(paused), int(version))
+    return with_requests, controls
 
 
 def held(conn: Connection, binding: str) -> list[ScopeState]:

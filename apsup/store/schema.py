@@ -167,4 +167,21 @@ family_controls = Table(
     Column("control_version", BigInteger, nullable=False, server_default=text("0")),
 )
 
+#: One row per running host process (keyed by its holder id), refreshed with its lease
+#: cadence in database time; a row older than the Lease belongs to a dead process.
+replicas = Table(
+    "pc_artifact_processing_replicas",
+    metadata,
+    Column("holder_id", String(64), primary_key=True),
+    Column("replica_id", String(64), nullable=False),
+    Column("host_name", String(255), nullable=False),
+    Column("pid", Integer, nullable=False),
+    Column("version", String(64), nullable=False),
+    Column("role", String(16), nullable=False),
+    Column("mode", String(16), nullable=False),
+    Column("http_address", String(300), nullable=True),
+    Column("started_at", Timestamp, nullable=False),
+    Column("last_seen", Timestamp, nullable=False),
+)
+
 PENDING_SEQUENCE_COUNTER = "pending_sequence"

@@ -421,6 +421,9 @@ class SqliteBackend(SqlBackend):
         # One host: the database clock is this host's clock.
         return datetime.now(UTC).replace(tzinfo=None)
 
+    def db_time_sql(self) -> Any:
+        return self.now()  # one host: its clock is the database's
+
     def _lease_expiry(self, conn: Connection, lease_seconds: float) -> datetime | None:
         return None  # SQLite terms never expire; they are replaced
 

@@ -34,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +50,7 @@ from apsup.observability.status import StatusSnapshot, SupervisorStatus
 from apsup.policy import Cron, Disabled, Interval
 from apsup.registry import Registry
 from apsup.scheduling import Backoff
+from apsup.store.membership import REPLICA_ENV
 
 if TYPE_CHECKING:
     from apsup.config import Settings
@@ -192,6 +194,8 @@ class DedicatedLauncher:
         self.restart_max = restart_max
         self.liveness_timeout = liveness_timeout
         self.python = python
+        #: This replica's id in membership, shared by its per-family Supervisor processes.
+        self.replica_id = uuid.uuid4().hex
         self.stop_timeout = (
             settings.shutdown_drain_seconds + settings.shutdown_grace_seconds + STOP_MARGIN
         )
@@ -295,6 +299,7 @@ class DedicatedLauncher:
             python=self.python,
         )
         env = child_env(self.settings, child.index)
+        env[REPLICA_ENV] = self.replica_id  # its children are one replica in membership
         try:
             proc = subprocess.Popen(  # our own interpreter and module
                 cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True

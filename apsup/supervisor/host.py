@@ -27,7 +27,7 @@ from multiprocess.connection import wait
 
 from apsup.observability.logging import error_fields, exception_message
 from apsup.scheduling import Backoff
-from apsup.store import SqlBackend, intents, operator_state
+from apsup.store import SqlBackend, membership, operator_state
 from apsup.store.leases import ModeConflictError, new_holder_id
 from apsup.supervisor.control import ALL, ControlChannel
 from apsup.supervisor.drain import drain
@@ -145,6 +145,10 @@ class Host:
         self.startup_error: str | None = None
         self._startup_failures = 0
         self._next_startup = 0.0
+        #: This host process's membership row (elected backends; ``apsup.store.membership``),
+        #: set by the runtime before ``start``; refreshed with the lease cadence.
+        self.member: membership.Member | None = None
+        self._next_member = 0.0
 
     # -- control ------------------------------------------------------------------------------
     def stop(self) -> None:
@@ -311,7 +315,7 @@ class Host:
                     renewed = self.backend.renew_term(sup.term, self.lease.lease_seconds)
                     if renewed:
                         self.keeper.held(sup.key, started)
-                        sup.sync_clock()
+                        sup.sync_clock(self.backend.renewed_at)  # the renewal read the time
                 if not renewed:
                     sup.lose_leadership("renewal refused")
                     self.keeper.dropped(sup.key)
@@ -322,6 +326,26 @@ class Host:
                     extra={"supervisor_key": sup.key, **error_fields(exc)},
                 )
         self._step_down_expired()
+        self._refresh_membership()
+
+    def _refresh_membership(self) -> None:
+        """Keep this process's membership row fresh (its calls end by the earliest renew
+        deadline, like every call of a leader)."""
+        member = self.member
+        if member is None or not self.elected:
+            return
+        now = time.monotonic()
+        if now < self._next_member:
+            return
+        # Twice per Lease: a row goes stale (a Lease old) only after two missed refreshes.
+        self._next_member = now + self.lease.lease_seconds / 2
+        try:
+            # On the autocommit read connection, database time in the statement itself: one
+            # round trip per renewal interval (an idle leader's statements are counted).
+            with self._calls_until(self.keeper.earliest()), self.backend.read() as conn:
+                membership.refresh(conn, member, now=self.backend.db_time_sql())
+        except Exception as exc:
+            log.warning("membership not refreshed", extra=error_fields(exc))
 
     # -- loop ---------------------------------------------------------------------------------
     def _startup(self, now: float) -> None:
@@ -450,9 +474,8 @@ class Host:
         if not sups:
             return
         bindings = {fam.binding_name for sup in sups for fam in sup.families.values()}
-        with self.backend.read() as conn:
-            pending = intents.bindings_with_requests(conn, bindings)
-            controls = operator_state.controls(conn, bindings)
+        with self.backend.read() as conn:  # one statement: requests and operator controls
+            pending, controls = operator_state.poll(conn, bindings)
         for sup in sups:
             for name, fam in sup.families.items():
                 if fam.binding_name in pending:
@@ -621,6 +644,11 @@ class Host:
                 sup.term = None
             self.keeper.dropped(sup.key)
         self.keeper.close()
+        if self.member is not None and self.elected:
+            try:
+                self.backend.run(lambda conn: membership.remove(conn, self.holder_id))
+            except Exception as exc:  # the row goes stale by itself after the Lease
+                log.warning("membership not removed", extra=error_fields(exc))
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)

@@ -29,9 +29,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.exc import DBAPIError
@@ -52,7 +55,8 @@ from apsup.observability.worker_logs import WorkerLogRelay
 from apsup.policy import Disabled
 from apsup.registry import Family, Registry
 from apsup.scheduling import Backoff
-from apsup.store import SqlBackend, backend_kind, intents, open_backend
+from apsup.store import SqlBackend, backend_kind, intents, membership, open_backend
+from apsup.store.leases import all_leases
 from apsup.supervisor.dedicated import DedicatedLauncher
 from apsup.supervisor.host import Host, LeasePolicy
 from apsup.supervisor.launcher import MODES, build_host
@@ -74,6 +78,8 @@ HEARTBEAT_SECONDS = 1.0
 LIVENESS_TIMEOUT = 30.0
 #: Unacknowledged-request counts (a metric) are refreshed at most this often.
 COUNT_INTERVAL = 10.0
+#: Membership rows are read with every this many lease reads (``HostObserver``).
+MEMBER_READ_EVERY = 3
 
 
 def check_topology(settings: Settings) -> str:
@@ -173,6 +179,9 @@ class HostObserver:
             "heartbeat_age": 0.0,
         }
         self._host: Host | None = None
+        self._replicas: list[dict[str, Any]] = []
+        self._members: list[membership.Member] = []
+        self._lease_reads = 0
         self._next_lease_read = 0.0
         self._lease_view: dict[str, tuple[str, int]] = {}
         self._lease_error: str | None = None
@@ -213,8 +222,15 @@ class HostObserver:
         if not host.elected or now < self._next_lease_read:
             return
         self._next_lease_read = now + self.lease_read_seconds
+        # Membership changes slowly: read with every third lease read (an idle leader's
+        # statements are counted; the lease read alone already tells who leads).
+        self._lease_reads += 1
+        members: list[membership.Member] | None = None
         try:
-            rows = host.backend.lease_rows()
+            with host.backend.read() as conn:
+                rows = list(all_leases(conn))
+                if self._lease_reads % MEMBER_READ_EVERY == 1:
+                    members = membership.members(conn)
         except Exception as exc:
             self._lease_error = (
                 f"lease table unreadable: {type(exc).__name__}: {exception_message(exc)}"
@@ -222,6 +238,23 @@ class HostObserver:
             return
         self._lease_error = None
         self._lease_view = {r.supervisor_key: (r.holder_id, r.generation) for r in rows}
+        db_now = host.supervisors[0].now() if host.supervisors else datetime.utcnow()
+        lease_seconds = host.lease.lease_seconds
+        leads: dict[str, list[str]] = {}
+        for r in rows:
+            if r.holder_id and r.expires_at is not None and r.expires_at > db_now:
+                leads.setdefault(r.holder_id, []).append(r.supervisor_key)
+        if members is not None:
+            self._members = members
+        self._replicas = [
+            {
+                **m.as_dict(),
+                "leads": sorted(leads.get(m.holder_id, [])),
+                "this": m.holder_id == host.holder_id,
+            }
+            for m in self._members
+            if m.alive(db_now, lease_seconds)
+        ]
 
     def _count(self, host: Host, now: float) -> None:
         # Requested > handled per family, for leaders only. On SQLite only after Worker activity
@@ -341,6 +374,8 @@ class HostObserver:
             "supervisors": sups,
             "heartbeat_age": 0.0,
         }
+        if host.elected:
+            self.snapshot["replicas"] = self._replicas
 
 
 def _check_schema(backend: SqlBackend, families: Sequence[Family] = ()) -> bool:
@@ -576,6 +611,7 @@ class Runtime:
             self._start_http(observer.status, metrics, heartbeat)
             if bundle.control is not None and self.http_port is not None:
                 bundle.control.publish_listener(self.settings.http_host, self.http_port)
+            host.member = _member(host, s, self.http_port)
             host.start()
             observer(host)
             log_startup(
@@ -601,6 +637,28 @@ class Runtime:
                 relay.close()
                 self._host = None
                 log.info("runtime stopped", extra={"mode": mode, "role": s.role})
+
+
+def _member(host: Host, s: Settings, port: int | None) -> membership.Member:
+    now = datetime.now(UTC).replace(tzinfo=None)  # replaced by database time when written
+    from apsup import __version__
+
+    return membership.Member(
+        holder_id=host.holder_id,
+        replica_id=os.environ.get(membership.REPLICA_ENV) or host.holder_id,
+        host_name=socket.gethostname(),
+        pid=os.getpid(),
+        version=__version__,
+        role=s.role,
+        mode=s.mode,
+        http_address=None if port is None else f"http://{_url_host(s.http_host)}:{port}",
+        started_at=now,
+        last_seen=now,
+    )
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def _running_scopes(sup: Any, family: str, limit: int = 20) -> list[dict[str, Any]]:

@@ -184,8 +184,15 @@ class Supervisor:
         self.operator_stopped: set[str] = set()
 
     # -- time ------------------------------------------------------------------------------
-    def sync_clock(self) -> None:
-        """Database time is authoritative; estimate it locally between measurements."""
+    def sync_clock(self, measured: tuple[datetime, float] | None = None) -> None:
+        """Database time is authoritative; estimate it locally between measurements.
+        ``measured``: (database time, monotonic time when it was read), e.g. by a renewal,
+        instead of a query of its own."""
+        if measured is not None:
+            db_time, at = measured
+            local = datetime.utcnow() - timedelta(seconds=time.monotonic() - at)
+            self.clock_offset = db_time - local
+            return
         local = datetime.utcnow()
         self.clock_offset = self.backend.now() - local
 

@@ -1,0 +1,108 @@
+"""Replica membership (table ``replicas``): one row per running host process.
+
+A host on an elected backend (MySQL/OceanBase) writes its row when it starts and refreshes
+``last_seen`` with its lease cadence, leader or standby; it deletes the row on a clean shutdown.
+A row whose ``last_seen`` is older than the Lease belongs to a process that is gone (killed, cut
+off). ``/status`` and ``apsup status`` list the live rows with the Leases each one holds, and
+``apsup status`` finds a host's HTTP listener here. A SQLite host keeps no row: it is the only
+host, and its listener is recorded beside the database file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Connection, delete, insert, select, update
+from sqlalchemy.exc import IntegrityError
+
+from apsup.store.schema import replicas
+
+#: Environment variable through which a dedicated launcher gives its per-family Supervisor
+#: processes its own replica id (each process keeps a row; the id groups them).
+REPLICA_ENV = "APSUP_REPLICA_ID"
+#: Rows read at most (a deployment has a handful of replicas; this bounds a runaway).
+MAX_MEMBERS = 200
+
+
+@dataclass(frozen=True)
+class Member:
+    holder_id: str
+    replica_id: str
+    host_name: str
+    pid: int
+    version: str
+    role: str
+    mode: str
+    http_address: str | None
+    started_at: datetime
+    last_seen: datetime
+
+    def alive(self, now: datetime, lease_seconds: float) -> bool:
+        return now - self.last_seen <= timedelta(seconds=lease_seconds)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "holder_id": self.holder_id,
+            "replica_id": self.replica_id,
+            "host": self.host_name,
+            "pid": self.pid,
+            "version": self.version,
+            "role": self.role,
+            "mode": self.mode,
+            "http": self.http_address,
+            "started_at": self.started_at.isoformat() + "Z",
+            "last_seen": self.last_seen.isoformat() + "Z",
+        }
+
+
+def refresh(conn: Connection, member: Member, *, now: Any = None) -> None:
+    """Write ``member`` (insert on first use, else update everything but ``started_at``). One
+    statement once the row exists. ``now``: a SQL expression of database time for
+    ``last_seen`` (and ``started_at`` of a new row) instead of the member's own values; on an
+    autocommit connection (the host's reads) the write then costs a single round trip."""
+    values: dict[str, Any] = {
+        "replica_id": member.replica_id,
+        "host_name": member.host_name[:255],
+        "pid": member.pid,
+        "version": member.version[:64],
+        "role": member.role,
+        "mode": member.mode,
+        "http_address": member.http_address,
+        "last_seen": member.last_seen if now is None else now,
+    }
+    where = replicas.c.holder_id == member.holder_id
+    if conn.execute(update(replicas).where(where).values(**values)).rowcount:
+        return
+    started = member.started_at if now is None else now
+    try:
+        conn.execute(
+            insert(replicas).values(holder_id=member.holder_id, started_at=started, **values)
+        )
+    except IntegrityError:  # a concurrent first write of the same process: never, but harmless
+        conn.execute(update(replicas).where(where).values(**values))
+
+
+def remove(conn: Connection, holder_id: str) -> None:
+    conn.execute(delete(replicas).where(replicas.c.holder_id == holder_id))
+
+
+def members(conn: Connection) -> list[Member]:
+    rows = conn.execute(
+        select(
+            replicas.c.holder_id,
+            replicas.c.replica_id,
+            replicas.c.host_name,
+            replicas.c.pid,
+            replicas.c.version,
+            replicas.c.role,
+            replicas.c.mode,
+            replicas.c.http_address,
+            replicas.c.started_at,
+            replicas.c.last_seen,
+        )
+        .order_by(replicas.c.replica_id, replicas.c.holder_id)
+        .limit(MAX_MEMBERS)
+    )
+    return [Member(*r) for r in rows]
