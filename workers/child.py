@@ -141,8 +141,9 @@ def _exit(code: int) -> NoReturn:
 
 
 def _report(target: str, what: str, exc: BaseException) -> None:
-    """One stderr line: exception type, innermost code location and, unless the family opted
-    out, the redacted and length-capped message (never the payload)."""
+    """One stderr line: exception type and innermost code location, no message, no payload
+    (a bare target is no family: nobody decided its messages may be shown; a family's own
+    failure line, with its message, comes from ``apsup.workers.invoke``)."""
     where = ""
     frames = traceback.extract_tb(exc.__traceback__)
     if frames:
@@ -150,14 +151,7 @@ def _report(target: str, what: str, exc: BaseException) -> None:
         where = f" at {last.filename}:{last.lineno} in {last.name}"
     kind = f"{type(exc).__module__}.{type(exc).__qualname__}"
     with contextlib.suppress(Exception):  # reporting must never change the exit code
-        message = ""
-        from apsup.observability import worker_logs
-
-        if worker_logs._include_messages:
-            from apsup.observability.logging import exception_message
-
-            message = f": {exception_message(exc)}"
-        sys.stderr.write(f"apsup worker {os.getpid()}: {target} {what}: {kind}{where}{message}\n")
+        sys.stderr.write(f"apsup worker {os.getpid()}: {target} {what}: {kind}{where}\n")
 
 
 def resolve(target: str) -> Target:

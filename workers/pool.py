@@ -508,9 +508,9 @@ class WorkerPool:
                 problem = _preload_problem(self.preload, self.start_timeout)
                 if problem is not None:
                     raise ConfigError(
-                        f"the Worker forkserver failed to start: importing its preload modules "
-                        f"{self.preload} fails in a fresh interpreter ({problem}); fix that "
-                        "module (an import must not raise or do I/O)"
+                        f"the Worker forkserver failed to start: a preload module raised at "
+                        f"import ({problem}; preload {self.preload}); fix that module (an "
+                        "import must not raise or do I/O)"
                     ) from exc
                 raise WorkerStartError(
                     f"the Worker forkserver failed to start ({type(exc).__name__}: {exc}) "
