@@ -100,8 +100,11 @@ def test_k8s_deployments_roles_probes_and_secrets() -> None:
             assert spec["terminationGracePeriodSeconds"] >= drain + grace + 15
         assert container["args"][:2] == ["run", "--app"]
     assert docs[("Deployment", "apsup-background")]["spec"]["replicas"] >= 2
+    # The default APSUP_APP is a reference family: its tables come with the flag.
+    assert "apsup.families." in config["APSUP_APP"]
     assert docs[("Job", "apsup-migrate")]["spec"]["template"]["spec"]["containers"][0]["args"] == [
-        "migrate"
+        "migrate",
+        "--with-reference-families",
     ]
     monitor = docs[("ServiceMonitor", "apsup")]
     assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
@@ -111,7 +114,9 @@ def test_compose_services() -> None:
     (compose,) = _load_all(DEPLOY / "compose.yaml")
     services = compose["services"]
     assert {"oceanbase", "migrate", "background", "api"} <= set(services)
-    assert services["migrate"]["command"] == ["migrate"]
+    # The default app is a reference family: its tables come with the flag.
+    assert services["migrate"]["command"] == ["migrate", "--with-reference-families"]
+    assert "apsup.families." in services["background"]["command"][-1]
     for name, role in (("background", "background"), ("api", "api")):
         svc = services[name]
         assert svc["environment"][PREFIX + "ARTIFACT_PROCESSING_ROLE"] == role
