@@ -11,6 +11,8 @@ slow or failing scrape can never stall scheduling.
   answers 200 with status ``standby``).
 - ``/metrics``: Prometheus exposition, format negotiated from ``Accept`` by prometheus-client.
 - ``/status``: the raw snapshot, for ``apsup status``.
+- ``/``: the web console (``apsup.observability.console``), with ``console.js`` and
+  ``console.css``; every response carries ``Content-Security-Policy: default-src 'self'``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import orjson
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
+from apsup.observability import console
 from apsup.observability.logging import redact
 from apsup.observability.status import (
     StatusProvider,
@@ -84,11 +87,17 @@ class _Handler(BaseHTTPRequestHandler):
             code, ctype = 500, JSON
             body = orjson.dumps({"error": redact(f"{type(exc).__name__}: {exc}")[:200]})
         self.send_response(code)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Cache-Control", "no-store")
-        self.end_headers()
+        self._headers(ctype, len(body))
         self.wfile.write(body)
+
+    def _headers(self, ctype: str, length: int) -> None:
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(length))
+        self.send_header("Cache-Control", "no-store")
+        # The console loads nothing but this listener's own files (``console``).
+        self.send_header("Content-Security-Policy", "default-src 'self'")
+        self.send_header("X-Content-Type-Options", "nosniff")
+        self.end_headers()
 
     def do_HEAD(self) -> None:
         """Probes and load balancers that use HEAD get GET's status and headers, no body."""
@@ -98,10 +107,7 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception:
             code, ctype, body = 500, JSON, b""
         self.send_response(code)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Cache-Control", "no-store")
-        self.end_headers()
+        self._headers(ctype, len(body))
 
     def log_message(self, format: str, *args: Any) -> None:
         _log.debug("health %s " + format, self.client_address[0], *args)
@@ -205,6 +211,12 @@ class HealthServer:
 
     def respond(self, path: str, accept: str) -> tuple[int, str, bytes]:
         """(HTTP code, content type, body) for a GET of ``path``."""
+        if path == "/" and self.status is not None:
+            snap, error = self._snapshot()
+            return 200, "text/html; charset=utf-8", console.page(snap, error, _minute())
+        if path.lstrip("/") in console.STATIC:
+            name = path.lstrip("/")
+            return 200, console.STATIC[name], console.static_file(name)
         if path == "/healthz":
             code, body = self._liveness()
             return code, JSON, body
@@ -226,6 +238,10 @@ class HealthServer:
             encoder, ctype = choose_encoder(accept)
             return 200, ctype, encoder(self.registry)
         return 404, JSON, orjson.dumps({"error": f"no such endpoint: {path[:64]}"})
+
+
+def _minute() -> int:
+    return int(time.time() // 60)
 
 
 def fan_in(

@@ -54,6 +54,8 @@ class FamilyStatus(TypedDict):
     failing: NotRequired[list[dict[str, Any]]]
     #: Running invocations, oldest first (capped): scope, age in seconds, worker_id.
     running_scopes: NotRequired[list[dict[str, Any]]]
+    #: [minute since the epoch, succeeded, failed] for the minutes of the last hour with any.
+    history: NotRequired[list[list[int]]]
 
 
 class SupervisorStatus(TypedDict):

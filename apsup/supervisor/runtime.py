@@ -33,6 +33,7 @@ import os
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -41,6 +42,7 @@ from sqlalchemy.exc import DBAPIError
 
 from apsup.errors import ConfigError, StartupInterrupted
 from apsup.observability import tracing
+from apsup.observability.console import CHART_MINUTES
 from apsup.observability.health import HealthServer, Heartbeat
 from apsup.observability.logging import (
     error_fields,
@@ -181,6 +183,8 @@ class HostObserver:
         self._host: Host | None = None
         self._replicas: list[dict[str, Any]] = []
         self._members: list[membership.Member] = []
+        self._totals: dict[str, tuple[int, int]] = {}
+        self._history: dict[str, deque[list[int]]] = {}
         self._lease_reads = 0
         self._next_lease_read = 0.0
         self._lease_view: dict[str, tuple[str, int]] = {}
@@ -215,6 +219,21 @@ class HostObserver:
                 {**e, "leader": e["leader"] and host.keeper.valid(e["key"])} for e in sups
             ],
         }
+
+    def _history_of(self, family: str, completed: int, failed: int) -> list[list[int]]:
+        """Invocations per minute (succeeded, failed) over the last hour, for the console's
+        chart: the growth of the Supervisor's counters, bucketed by wall-clock minute."""
+        minute = int(time.time() // 60)
+        last = self._totals.get(family, (completed, failed))
+        ok, bad = max(0, completed - last[0]), max(0, failed - last[1])
+        self._totals[family] = (completed, failed)
+        buckets = self._history.setdefault(family, deque(maxlen=CHART_MINUTES))
+        if buckets and buckets[-1][0] == minute:
+            buckets[-1][1] += ok
+            buckets[-1][2] += bad
+        elif ok or bad:
+            buckets.append([minute, ok, bad])
+        return [list(b) for b in buckets if b[0] > minute - CHART_MINUTES]
 
     def _read_leases(self, host: Host, now: float) -> None:
         # Elected backends only: a cheap read of the Lease table at the renewal cadence tells a
@@ -348,6 +367,9 @@ class HostObserver:
                     self.metrics.on_clock_rewinds(name, seen - last if seen >= last else seen)
                     self._rewinds[name] = seen
                 self.metrics.set_unconfirmed(name, unconfirmed.get(name, 0))
+                families[name]["history"] = self._history_of(
+                    name, sup.completed.get(name, 0), sup.failed.get(name, 0)
+                )
             term = sup.term
             holder, generation = self._lease_view.get(sup.key, (None, None))  # type: ignore[arg-type]
             if term is not None:
