@@ -431,9 +431,12 @@ class DedicatedLauncher:
                 urls.append(f"http://{host}:{port}")
         merged = fan_in(urls, liveness_timeout=self.liveness_timeout)() if urls else None
         sups = ([] if merged is None else merged["supervisors"]) + missing
-        return {
+        snap: StatusSnapshot = {
             "role": self.settings.role,
             "mode": "dedicated",
             "supervisors": sups,
             "heartbeat_age": None,
         }
+        if merged is not None and "replicas" in merged:
+            snap["replicas"] = merged["replicas"]
+        return snap

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -99,5 +100,11 @@ def test_dedicated_processes_share_their_replica_id(db_url: str, tmp_path: Path)
             "artifact:replica-side",
             "artifact:replica-work",
         ]
+        # The launcher's listener serves the console of all its families (fan-in).
+        with urllib.request.urlopen(f"http://127.0.0.1:{r.port}/", timeout=10) as resp:
+            page = resp.read().decode()
+        for name in ("replica-side", "replica-work"):
+            assert f'data-family="{name}"' in page, page[-3000:]
+        assert "<h2>Replicas</h2>" in page, page[:3000]
     finally:
         c.close()
