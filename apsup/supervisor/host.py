@@ -230,7 +230,10 @@ class Host:
                     f"not renewed within the renew deadline ({self.lease.deadline:g}s)"
                 )
                 self.keeper.dropped(sup.key)
-                self._terminate_workers(sup)
+                # The term is gone: classifying its Workers' exits is a standby's read, bounded
+                # by the static limits, not by the deadline that just passed.
+                with self._calls_until(None):
+                    self._terminate_workers(sup)
 
     def _stopping_workers(self, sup: Supervisor) -> bool:
         """Whether Workers of ``sup`` are still being stopped (exit not confirmed yet; Workers
@@ -504,7 +507,9 @@ class Host:
 
     def _guarded(self, stage: str, fn: Callable[[], object], key: str | None = None) -> None:
         """Run one stage of a cycle: its database calls end by the renew deadline of the term
-        it serves (``key``'s, else the earliest held); terms past it are dropped after it."""
+        it serves (``key``'s, else the earliest held); terms past it are dropped before and after
+        it (a stage must not run on a deadline that already passed: its calls would all fail)."""
+        self._step_down_expired()
         deadline = None
         if self.elected:
             deadline = self.keeper.earliest() if key is None else self.keeper.deadline(key)
