@@ -33,7 +33,6 @@ from apsup.store.schema import (
     BINDING_LENGTH,
     PENDING_SEQUENCE_COUNTER,
     SCOPE_LENGTH,
-    binding_states,
     counters,
     intents,
 )
@@ -471,24 +470,6 @@ _REQUEST_PAGE = (
     .order_by(c.pending_sequence)
     .limit(bindparam("p_limit"))
 )
-
-
-def bindings_with_requests(conn: Connection, bindings: Iterable[str]) -> set[str]:
-    """Which of ``bindings`` have an explicit request pending: one statement for all of them,
-    one index probe each (``ix_intents_request``), whatever the backlog. An elected leader's
-    poll for requests committed by other processes; a binding without its state row (not yet
-    established) is not reported."""
-    names = sorted(set(bindings))
-    if not names:
-        return set()
-    b = binding_states.c
-    pending = (
-        select(c.binding_name)
-        .where(c.binding_name == b.binding_name, c.request_pending == 1)
-        .exists()
-    )
-    rows = conn.execute(select(b.binding_name).where(b.binding_name.in_(names), pending))
-    return {str(r[0]) for r in rows}
 
 
 def count_pending_requests(conn: Connection, binding: str) -> int:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, and_, delete, insert, or_, select, update
+from sqlalchemy import Connection, Table, and_, delete, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 
 from apsup.store.schema import binding_states, family_controls, intents, scope_states
@@ -68,19 +68,28 @@ def _state(row: Any) -> ScopeState:
     )
 
 
-def _upsert(conn: Connection, binding: str, scope_id: str, values: dict[str, object]) -> None:
-    """Update the Scope's row, or insert it. A concurrent insert of the same row (MySQL: the
-    operator and the leader at once) makes the insert fail; the update then finds the row."""
-    where = and_(scope_states.c.binding_name == binding, scope_states.c.scope_id == scope_id)
-    if conn.execute(update(scope_states).where(where).values(**values)).rowcount:
+def _update_or_insert(
+    conn: Connection,
+    table: Table,
+    key: dict[str, object],
+    values: dict[str, object],
+    first: dict[str, object] | None = None,
+) -> None:
+    """Update the row of ``key`` with ``values``, or insert it (``first``: the new row's values,
+    default ``values``). A concurrent insert of the same row (MySQL: the operator and the leader
+    at once) makes the insert fail; the update then finds the row."""
+    where = and_(*(table.c[name] == value for name, value in key.items()))
+    if conn.execute(update(table).where(where).values(**values)).rowcount:
         return
     try:
         with conn.begin_nested():
-            conn.execute(
-                insert(scope_states).values(binding_name=binding, scope_id=scope_id, **values)
-            )
+            conn.execute(insert(table).values(**key, **(values if first is None else first)))
     except IntegrityError:
-        conn.execute(update(scope_states).where(where).values(**values))
+        conn.execute(update(table).where(where).values(**values))
+
+
+def _upsert(conn: Connection, binding: str, scope_id: str, values: dict[str, object]) -> None:
+    _update_or_insert(conn, scope_states, {"binding_name": binding, "scope_id": scope_id}, values)
 
 
 # --- the leader's writes (inside its fenced transactions) ---------------------------------------
@@ -240,24 +249,17 @@ def scope_state(conn: Connection, binding: str, scope_id: str) -> ScopeState | N
 
 def bump(conn: Connection, binding: str, *, paused: bool | None = None, at: datetime) -> int:
     """Advance the family's control version (and set its pause flag); returns the version."""
-    where = family_controls.c.binding_name == binding
     values: dict[str, object] = {"control_version": family_controls.c.control_version + 1}
     if paused is not None:
         values["paused"] = paused
         values["paused_at"] = at if paused else None
-    if not conn.execute(update(family_controls).where(where).values(**values)).rowcount:
-        try:
-            with conn.begin_nested():
-                conn.execute(
-                    insert(family_controls).values(
-                        binding_name=binding,
-                        paused=bool(paused),
-                        paused_at=at if paused else None,
-                        control_version=1,
-                    )
-                )
-        except IntegrityError:
-            conn.execute(update(family_controls).where(where).values(**values))
+    first: dict[str, object] = {
+        "paused": bool(paused),
+        "paused_at": at if paused else None,
+        "control_version": 1,
+    }
+    _update_or_insert(conn, family_controls, {"binding_name": binding}, values, first)
+    where = family_controls.c.binding_name == binding
     return int(conn.execute(select(family_controls.c.control_version).where(where)).scalar_one())
 
 
