@@ -94,6 +94,7 @@ GLOBAL_KEYS = (
     "POLL_SECONDS",
     "SHUTDOWN_GRACE_SECONDS",
     "SHUTDOWN_DRAIN_SECONDS",
+    "REPLICA_ID",
     "LOG_FORMAT",
     "LOG_LEVEL",
     "IGNORE_KEYS",
@@ -279,6 +280,15 @@ def _host(raw: str) -> str:
     return raw
 
 
+_REPLICA_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
+
+
+def _replica_id(raw: str) -> str:
+    if not _REPLICA_ID.fullmatch(raw):
+        raise ValueError(raw)
+    return raw
+
+
 @dataclass(frozen=True)
 class Settings:
     """The effective runtime configuration (read-only; built by ``Settings.load``).
@@ -312,6 +322,9 @@ class Settings:
     #: A leader that has not renewed for this long steps down (< LEASE_SECONDS); 0: the
     #: default, two thirds of the Lease (``apsup.supervisor.lease_keeper``).
     renew_deadline_seconds: float = 0.0
+    #: This replica's stable name in membership (dedicated placement keeps each family on
+    #: the same replica across restarts when it is stable); "": derived at startup.
+    replica_id: str = ""
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -403,6 +416,15 @@ class Settings:
             "SHUTDOWN_DRAIN_SECONDS", _number(0, inclusive=True), "a number of seconds >= 0"
         )
         src("shutdown_drain_seconds", "SHUTDOWN_DRAIN_SECONDS")
+        replica_id = (
+            r.parse(
+                "REPLICA_ID",
+                _replica_id,
+                "1-64 characters of letters, digits and . _ : - (starting with a letter or digit)",
+            )
+            or ""
+        )
+        src("replica_id", "REPLICA_ID")
         log_format = r.choice("LOG_FORMAT", LOG_FORMATS) or "auto"
         src("log_format", "LOG_FORMAT")
         log_level = r.choice("LOG_LEVEL", LOG_LEVELS) or "INFO"
@@ -431,6 +453,7 @@ class Settings:
             poll_seconds=poll,
             shutdown_grace_seconds=10.0 if grace is None else grace,
             shutdown_drain_seconds=30.0 if drain is None else drain,
+            replica_id=replica_id,
             log_format=log_format,
             log_level=log_level,
             families=families,
@@ -480,6 +503,7 @@ class Settings:
             "poll_seconds": self.poll_seconds,
             "shutdown_grace_seconds": self.shutdown_grace_seconds,
             "shutdown_drain_seconds": self.shutdown_drain_seconds,
+            "replica_id": self.replica_id or None,
             "log_format": self.log_format,
             "log_level": self.log_level,
             "families": {

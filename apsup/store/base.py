@@ -61,6 +61,9 @@ class SqlBackend:
         #: Per key, how long the Lease a refused ``claim_term`` met had left (database time):
         #: a standby tries again right when it runs out instead of a renewal interval later.
         self.held_for: dict[str, float] = {}
+        #: Per key, the holder of the Lease a ``claim_term`` met when that Lease had run out
+        #: unrenewed (not released): that holder is gone (placement leaves its replica out).
+        self.lapsed_holder: dict[str, str] = {}
         #: Database time read by the last successful renewal, with this process's monotonic
         #: time then: the Supervisor's clock estimate is synced from it, without a query.
         self.renewed_at: tuple[datetime, float] | None = None
@@ -88,7 +91,9 @@ class SqlBackend:
         """A SQL expression of database time (naive UTC) to write in a statement."""
         raise NotImplementedError
 
-    def claim_term(self, key: str, holder_id: str, lease_seconds: float) -> Term | None:
+    def claim_term(
+        self, key: str, holder_id: str, lease_seconds: float, free_for: float = 0.0
+    ) -> Term | None:
         raise NotImplementedError
 
     def renew_term(self, term: Term, lease_seconds: float) -> bool:

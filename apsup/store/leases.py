@@ -93,8 +93,11 @@ class Backend(Protocol):
         """Database time, naive UTC."""
         ...
 
-    def claim_term(self, key: str, holder_id: str, lease_seconds: float) -> Term | None:
-        """SQLite: always a new term. MySQL: a new term only if the Lease is expired/free."""
+    def claim_term(
+        self, key: str, holder_id: str, lease_seconds: float, free_for: float = 0.0
+    ) -> Term | None:
+        """SQLite: always a new term. MySQL: a new term only if the Lease is expired/free (for
+        ``free_for`` seconds at least)."""
         ...
 
     def renew_term(self, term: Term, lease_seconds: float) -> bool:

@@ -88,8 +88,25 @@ def remove(conn: Connection, holder_id: str) -> None:
     conn.execute(delete(replicas).where(replicas.c.holder_id == holder_id))
 
 
+def remove_replica(conn: Connection, replica_id: str) -> None:
+    """Remove every row of ``replica_id``: a dedicated replica leaving as a whole (its
+    per-family processes stop together), so the others stop counting on it at once."""
+    conn.execute(delete(replicas).where(replicas.c.replica_id == replica_id))
+
+
 def members(conn: Connection) -> list[Member]:
-    rows = conn.execute(
+    return [Member(*r) for r in conn.execute(_select())]
+
+
+def members_at(conn: Connection, now: Any) -> tuple[list[Member], datetime | None]:
+    """The rows and database time (``now``: a SQL expression of it) in one statement; the
+    time is None when there is no row."""
+    rows = list(conn.execute(_select(now.label("db_now"))))
+    return [Member(*r[:10]) for r in rows], (rows[0][10] if rows else None)
+
+
+def _select(*extra: Any) -> Any:
+    return (
         select(
             replicas.c.holder_id,
             replicas.c.replica_id,
@@ -101,8 +118,8 @@ def members(conn: Connection) -> list[Member]:
             replicas.c.http_address,
             replicas.c.started_at,
             replicas.c.last_seen,
+            *extra,
         )
         .order_by(replicas.c.replica_id, replicas.c.holder_id)
         .limit(MAX_MEMBERS)
     )
-    return [Member(*r) for r in rows]

@@ -712,8 +712,14 @@ class MysqlBackend(SqlBackend):
         # idempotent and fenced again), and a lost connection (2013) is never retried.
         return self._retrying(attempt)
 
-    def claim_term(self, key: str, holder_id: str, lease_seconds: float) -> Term | None:
+    def claim_term(
+        self, key: str, holder_id: str, lease_seconds: float, free_for: float = 0.0
+    ) -> Term | None:
         """Take the Lease if it is free or expired; takeover always increments generation.
+
+        ``free_for``: take it only once it has been free (released, or run out) for that many
+        seconds of database time: a replica that is not the preferred leader of the key lets
+        the preferred one claim first (``apsup.supervisor.placement``).
 
         Refused (``ModeConflictError``) while a term of the other mode is live: a replica started
         in ``global`` beside running ``dedicated`` ones (or the reverse) would otherwise hold a
@@ -728,12 +734,17 @@ class MysqlBackend(SqlBackend):
             row = read_lease(conn, key, for_update=True)
             now = self._db_now(conn)
             expires = now + timedelta(seconds=lease_seconds)
-            free = row is None or (
-                row.holder_id == INVALIDATED or row.expires_at is None or row.expires_at <= now
-            )
-            if not free:
-                assert row is not None and row.expires_at is not None
-                self.held_for[key] = (row.expires_at - now).total_seconds()
+            wait = 0.0  # seconds until the Lease has been free for ``free_for``
+            self.lapsed_holder.pop(key, None)
+            if row is not None and row.expires_at is not None:
+                free_since = row.expires_at
+                if row.holder_id == INVALIDATED:
+                    free_since = min(free_since, now)
+                elif free_since <= now:
+                    self.lapsed_holder[key] = row.holder_id  # ran out without a release
+                wait = (free_since - now).total_seconds() + free_for
+            if wait > 0:
+                self.held_for[key] = wait
                 return None
             self.held_for.pop(key, None)
             others = other_mode_keys(conn, key, for_update=True)

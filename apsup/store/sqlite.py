@@ -431,7 +431,9 @@ class SqliteBackend(SqlBackend):
         # BEGIN IMMEDIATE already holds the database write lock until commit.
         validate(read_lease(conn, term.supervisor_key, for_update=False), term, None)
 
-    def claim_term(self, key: str, holder_id: str, lease_seconds: float = 0) -> Term:
+    def claim_term(
+        self, key: str, holder_id: str, lease_seconds: float = 0, free_for: float = 0.0
+    ) -> Term:
         """Legitimate startup: new holder, generation + 1, expires_at NULL.
 
         SQLite terms never expire, so the other mode's terms are invalidated in the same

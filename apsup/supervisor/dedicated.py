@@ -29,6 +29,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -148,6 +149,15 @@ def child_command(
     return cmd
 
 
+def default_replica_id(http_port: int | None) -> str:
+    """A replica id stable across restarts where the deployment gives one: the host name
+    with the fixed HTTP port (several replicas on one machine differ by port); with no fixed
+    port, the host name and a random suffix (unique, but new at each start)."""
+    host = socket.gethostname() or "replica"
+    suffix = str(http_port) if http_port else uuid.uuid4().hex[:12]
+    return f"{host[: 63 - len(suffix)]}:{suffix}"
+
+
 @dataclass
 class _Child:
     family: str
@@ -195,7 +205,7 @@ class DedicatedLauncher:
         self.liveness_timeout = liveness_timeout
         self.python = python
         #: This replica's id in membership, shared by its per-family Supervisor processes.
-        self.replica_id = uuid.uuid4().hex
+        self.replica_id = settings.replica_id or default_replica_id(settings.http_port)
         self.stop_timeout = (
             settings.shutdown_drain_seconds + settings.shutdown_grace_seconds + STOP_MARGIN
         )

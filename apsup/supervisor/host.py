@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from types import FrameType
 
 from multiprocess.connection import wait
@@ -28,10 +29,11 @@ from multiprocess.connection import wait
 from apsup.observability.logging import error_fields, exception_message
 from apsup.scheduling import Backoff
 from apsup.store import SqlBackend, membership, operator_state
-from apsup.store.leases import ModeConflictError, new_holder_id
+from apsup.store.leases import ModeConflictError, Term, new_holder_id
 from apsup.supervisor.control import ALL, ControlChannel
 from apsup.supervisor.drain import drain
 from apsup.supervisor.lease_keeper import LeaseKeeper, default_renew_deadline
+from apsup.supervisor.placement import Balancer
 from apsup.supervisor.startup import configuration_problem
 from apsup.supervisor.supervisor import Supervisor
 from apsup.workers.pool import WorkerPool
@@ -149,6 +151,13 @@ class Host:
         #: set by the runtime before ``start``; refreshed with the lease cadence.
         self.member: membership.Member | None = None
         self._next_member = 0.0
+        #: Dedicated mode with several replicas: which replica should lead each key, and the
+        #: graceful handover of the keys this host should not hold (``placement``); set by the
+        #: runtime. None: claim whenever a Lease is free (global mode, SQLite).
+        self.balancer: Balancer | None = None
+        #: How long a handover lets running Workers finish before it stops them.
+        self.handoff_drain = 0.0
+        self._handoff_until: dict[str, float] = {}
 
     # -- control ------------------------------------------------------------------------------
     def stop(self) -> None:
@@ -178,7 +187,7 @@ class Host:
             return  # Workers of its previous term are still being stopped: no second Worker
         started = time.monotonic()
         try:
-            term = self.backend.claim_term(sup.key, self.holder_id, self.lease.lease_seconds)
+            term = self._claim_placed(sup.key)
         except ModeConflictError as exc:  # stay a candidate; the message says what to do
             log.warning("lease not claimed: %s", exc, extra={"supervisor_key": sup.key})
             return
@@ -196,6 +205,45 @@ class Host:
         if left is not None:
             retry = time.monotonic() + max(0.0, left) + CLAIM_SLACK_SECONDS
             self._next_renew = min(self._next_renew, retry)
+        if self.balancer is not None and self.balancer.should_claim_now(sup.key):
+            # The preferred replica of a key another one holds: that one hands it over soon
+            # (releasing it); claim again within a poll interval rather than a renewal one.
+            retry = time.monotonic() + min(self.lease.poll_seconds, self.lease.renew_seconds)
+            self._next_renew = min(self._next_renew, retry)
+
+    def _claim_placed(self, key: str) -> Term | None:
+        """``claim_term``, placed: the preferred replica of ``key`` claims a free Lease at
+        once, the others only once it has been free for a renewal interval (the preferred one
+        had its chance). A Lease found free but within that grace makes this host read the
+        membership again (the free Lease may mean a replica left) and decide anew."""
+        bal = self.balancer
+        if bal is None:
+            return self.backend.claim_term(key, self.holder_id, self.lease.lease_seconds)
+        self._read_placement()
+        grace = 0.0 if bal.should_claim_now(key) else self.lease.renew_seconds
+        term = self.backend.claim_term(key, self.holder_id, self.lease.lease_seconds, grace)
+        left = self.backend.held_for.get(key)
+        if term is None and grace and left is not None and left <= grace:
+            self._read_placement(force=True)
+            if bal.should_claim_now(key, self.backend.lapsed_holder.get(key)):
+                term = self.backend.claim_term(key, self.holder_id, self.lease.lease_seconds)
+        return term
+
+    def _read_placement(self, *, force: bool = False) -> None:
+        """Read the membership for placement when the view is due (every half Lease), in one
+        statement on the read connection; a failed read keeps the old view (and hands nothing
+        over on it: ``Balancer.hand_over_to`` wants a fresh one)."""
+        bal = self.balancer
+        now = time.monotonic()
+        if bal is None or not (force or bal.due(now)):
+            return
+        try:
+            with self._calls_until(self.keeper.earliest()), self.backend.read() as conn:
+                rows, db_now = membership.members_at(conn, self.backend.db_time_sql())
+        except Exception as exc:
+            log.warning("membership not read for placement", extra=error_fields(exc))
+            return
+        bal.update(rows, db_now or datetime.utcnow(), now)  # no row: the time is not used
 
     @contextlib.contextmanager
     def _calls_until(self, deadline: float | None) -> Iterator[None]:
@@ -331,12 +379,85 @@ class Host:
         self._step_down_expired()
         self._refresh_membership()
 
+    def _rebalance(self) -> None:
+        """Dedicated scale-out: hand over each held key that the placement gives to another
+        live replica. Handing over stops admitting new invocations at once, lets the running
+        Workers finish for up to ``handoff_drain`` seconds, then stops the rest and releases
+        the Lease explicitly, so the preferred replica claims it within a poll."""
+        bal = self.balancer
+        if bal is None or self.stopping.is_set():
+            return
+        self._read_placement()
+        now = time.monotonic()
+        for sup in self.supervisors:
+            if sup.term is None:
+                self._handoff_until.pop(sup.key, None)
+                continue
+            if sup.handing_off is None:
+                target = bal.hand_over_to(sup.key, now)
+                if target is None:
+                    continue
+                sup.handing_off = target
+                self._handoff_until[sup.key] = now + self.handoff_drain
+                log.info(
+                    "handing over",
+                    extra={
+                        "supervisor_key": sup.key,
+                        "term": sup.term.generation,
+                        "to_replica": target,
+                        "running": len(sup.running),
+                        "drain": self.handoff_drain,
+                    },
+                )
+            elif bal.preferred(sup.key) == bal.replica_id:
+                sup.handing_off = None  # the membership changed back: keep it
+                self._handoff_until.pop(sup.key, None)
+                log.info("handover cancelled", extra={"supervisor_key": sup.key})
+                continue
+            if sup.running and now < self._handoff_until.get(sup.key, 0.0):
+                continue  # Workers still finishing
+            self._hand_over(sup)
+
+    def _hand_over(self, sup: Supervisor) -> None:
+        """Stop what still runs, then release the term, only if every one of its Workers is
+        confirmed gone and the term is still within its renew deadline: a release this host
+        cannot confirm is left to the Lease's own expiry."""
+        term, target = sup.term, sup.handing_off
+        if term is None:
+            return
+        deadline = self.keeper.deadline(sup.key)
+        sup.lose_leadership(f"handed over to replica {target}", level=logging.INFO)
+        self.keeper.dropped(sup.key)
+        self._handoff_until.pop(sup.key, None)
+        if self.balancer is not None:
+            self.balancer.handed(sup.key)
+        self._terminate_workers(sup)
+        left = {h.worker_id for h in self.pool.running()} & set(sup.running)
+        if left:
+            log.warning(
+                "lease not released: a Worker's exit is not confirmed; it runs out by itself",
+                extra={"supervisor_key": sup.key, "running": len(left)},
+            )
+            return
+        if deadline is None or time.monotonic() >= deadline:
+            return  # past the renew deadline: nothing this host writes could be confirmed
+        try:
+            with self._calls_until(deadline):
+                self.backend.release_term(term)
+        except Exception as exc:  # the Lease runs out by itself
+            log.warning("release failed", extra={"supervisor_key": sup.key, **error_fields(exc)})
+            return
+        log.info(
+            "lease released",
+            extra={"supervisor_key": sup.key, "term": term.generation, "to_replica": target},
+        )
+
     def _refresh_membership(self) -> None:
         """Keep this process's membership row fresh (its calls end by the earliest renew
         deadline, like every call of a leader)."""
         member = self.member
-        if member is None or not self.elected:
-            return
+        if member is None or not self.elected or self.stopping.is_set():
+            return  # a stopping host leaves the membership: it must not write itself back
         now = time.monotonic()
         if now < self._next_member:
             return
@@ -404,6 +525,8 @@ class Host:
         (``_startup``); only a configuration error raises."""
         self._startup(time.monotonic())
         self._next_renew = time.monotonic() + self.lease.renew_seconds  # a refused claim: sooner
+        if self.balancer is not None:  # be seen, and see the others, before competing
+            self._refresh_membership()
         for sup in self.supervisors:
             if not self.elected:
                 break  # SQLite claims in ``_startup``
@@ -435,6 +558,8 @@ class Host:
             self._guarded("poll", self._poll_requests)  # requests committed by other processes
         self._guarded("lease", self._maintain_leases)
         self._guarded("establish", self._establish)
+        if self.balancer is not None:
+            self._guarded("placement", self._rebalance)
         for sup in self.supervisors:
             # Discovery yields to the next renewal (each statement is time-limited).
             until = self._next_renew if self.elected else None
@@ -633,6 +758,15 @@ class Host:
         terms = [(sup, sup.term) for sup in self.supervisors]
         for sup in self.supervisors:
             sup.core = None  # no more decisions
+        if self.balancer is not None and self.member is not None:
+            # Leave first: the others place this replica's keys elsewhere while it drains, so
+            # the preferred survivor claims each one as soon as it is released.
+            replica = self.balancer.replica_id
+            try:
+                with self._calls_until(self.keeper.earliest()):
+                    self.backend.run(lambda conn: membership.remove_replica(conn, replica))
+            except Exception as exc:
+                log.warning("membership not removed", extra=error_fields(exc))
         drain(self, self.shutdown_drain)
         for ex in self.pool.terminate_all(self.shutdown_grace):
             for sup in self.supervisors:

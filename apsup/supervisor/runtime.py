@@ -62,6 +62,7 @@ from apsup.store.leases import all_leases
 from apsup.supervisor.dedicated import DedicatedLauncher
 from apsup.supervisor.host import Host, LeasePolicy
 from apsup.supervisor.launcher import MODES, build_host
+from apsup.supervisor.placement import Balancer
 from apsup.supervisor.process import configure_logs, main_thread, signals
 from apsup.supervisor.startup import check_schema, needs_reference_tables
 from apsup.supervisor.supervisor import Hooks
@@ -634,6 +635,18 @@ class Runtime:
             if bundle.control is not None and self.http_port is not None:
                 bundle.control.publish_listener(self.settings.http_host, self.http_port)
             host.member = _member(host, s, self.http_port)
+            if mode == "dedicated" and host.elected:
+                host.balancer = Balancer(
+                    replica_id=host.member.replica_id,
+                    families=sorted(s.families),
+                    lease_seconds=s.lease_seconds,
+                    refresh_seconds=s.lease_seconds / 2,
+                )
+                # A handover waits for running Workers at most as long as a shutdown would,
+                # and no longer than a Lease and a renewal (balance follows within bounds).
+                host.handoff_drain = min(
+                    s.shutdown_drain_seconds, s.lease_seconds + s.renew_seconds
+                )
             host.start()
             observer(host)
             log_startup(
@@ -667,7 +680,7 @@ def _member(host: Host, s: Settings, port: int | None) -> membership.Member:
 
     return membership.Member(
         holder_id=host.holder_id,
-        replica_id=os.environ.get(membership.REPLICA_ENV) or host.holder_id,
+        replica_id=os.environ.get(membership.REPLICA_ENV) or s.replica_id or host.holder_id,
         host_name=socket.gethostname(),
         pid=os.getpid(),
         version=__version__,

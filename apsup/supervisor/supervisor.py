@@ -182,6 +182,9 @@ class Supervisor:
         self.controls = OperatorControls(self.families, backend)
         #: Workers an operator stopped (``apsup scopes stop``): their exit says so.
         self.operator_stopped: set[str] = set()
+        #: The replica this Supervisor is handing its term to (dedicated scale-out,
+        #: ``apsup.supervisor.placement``): it admits nothing new while its Workers finish.
+        self.handing_off: str | None = None
 
     # -- time ------------------------------------------------------------------------------
     def sync_clock(self, measured: tuple[datetime, float] | None = None) -> None:
@@ -216,6 +219,7 @@ class Supervisor:
         Supervisor dispatches nothing and reports itself not ready."""
         self.term = term
         self.core = None
+        self.handing_off = None
         self.reconciling.clear()
         self.establish_error = None
         self.establish_failures = 0
@@ -359,16 +363,19 @@ class Supervisor:
         if run.state is not None:
             core.restore(name, run.state)
 
-    def lose_leadership(self, reason: str) -> None:
+    def lose_leadership(self, reason: str, level: int = logging.WARNING) -> None:
         """Stop dispatch at once. The host terminates every Worker of a Supervisor without a
-        term, whichever path found the term stale (their commits are fenced anyway)."""
+        term, whichever path found the term stale (their commits are fenced anyway).
+        ``level``: INFO for a planned handover, which is no incident."""
         if self.term is None:
             return
-        log.warning(
+        log.log(
+            level,
             "leadership lost",
             extra={"supervisor_key": self.key, "term": self.term.generation, "stage": reason},
         )
         self.term = None
+        self.handing_off = None
         if self.core is not None:
             self.core.on_lease_lost()
         self.core = None
@@ -385,6 +392,8 @@ class Supervisor:
         """
         done = 0
         self._more_due = False
+        if self.handing_off is not None:
+            return 0  # handing over: nothing new starts, running Workers finish
         if self.term is not None and self.core is None:
             self.establish()
         if self.reconciling:
@@ -832,6 +841,11 @@ class Supervisor:
         now = self.now()
         mono = time.monotonic()
         times: list[datetime] = []
+        if self.handing_off is not None:  # only exits matter until the term is released
+            if self.unclassified:
+                due = min(p.due for p in self.unclassified.values())
+                return now + timedelta(seconds=max(0.0, due - mono))
+            return None
         if self._more_due or self.reconciling:
             times.append(now)
         if self.term is not None and self.core is None:

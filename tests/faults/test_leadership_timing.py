@@ -43,9 +43,9 @@ import orjson
 import pytest
 
 from tests.faults.campaign import RequestStream, _cmdline
-from tests.faults.proxy import FaultProxy
+from tests.faults.partition import PartitionCluster
 from tests.replicas import families
-from tests.replicas.cluster import PREFIX, REPO_ROOT, Cluster, Replica, descendants
+from tests.replicas.cluster import REPO_ROOT, Cluster, Replica, descendants
 
 SOAK = os.environ.get("APSUP_SOAK", "").strip().lower() in {"1", "true", "yes", "on"}
 ROUNDS = 10 if SOAK else 1
@@ -62,39 +62,6 @@ pytestmark = [
     pytest.mark.soak,
     pytest.mark.timeout(3600 if SOAK else 420),
 ]
-
-
-class PartitionCluster(Cluster):
-    """A Cluster whose background replicas each reach the server through their own proxy."""
-
-    def __init__(self, url: str, workdir: Path, **kwargs: Any) -> None:
-        super().__init__(url, workdir, **kwargs)
-        self.proxies: dict[str, FaultProxy] = {}
-        self._next_url: str | None = None
-
-    def env(self, role: str) -> dict[str, str]:
-        env = super().env(role)
-        if self._next_url is not None:
-            env[PREFIX + "DATABASE_URL"] = self._next_url
-        env[PREFIX + "RENEW_DEADLINE_SECONDS"] = str(DEADLINE)
-        return env
-
-    def start(self, role: str = "background", *args: str) -> Replica:
-        proxy = FaultProxy.for_url(self.url).start()
-        self._next_url = proxy.url(self.url)
-        try:
-            replica = super().start(role, *args)
-        finally:
-            self._next_url = None
-        self.proxies[replica.name] = proxy
-        return replica
-
-    def close(self) -> None:
-        try:
-            super().close()
-        finally:
-            for proxy in self.proxies.values():
-                proxy.stop()
 
 
 @dataclass
@@ -228,6 +195,7 @@ def cluster(db_url: str, tmp_path: Path, mode: str) -> Iterator[PartitionCluster
         renew=RENEW,
         poll=POLL,
         mode=mode,
+        deadline=DEADLINE,
         env={"REPLICA_TEST_WORK": "0.2,0.6"},
     )
     try:

@@ -178,7 +178,9 @@ class Cluster:
         env.update(self.extra_env)
         return env
 
-    def start(self, role: str = "background", *args: str) -> Replica:
+    def start(
+        self, role: str = "background", *args: str, env: dict[str, str] | None = None
+    ) -> Replica:
         self._count += 1
         name = f"{role}-{self._count}"
         info = self.workdir / f"{name}.json"
@@ -187,7 +189,7 @@ class Cluster:
         with open(log, "wb") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "tests.replicas.replica", "--info", str(info), *args],
-                env=self.env(role),
+                env={**self.env(role), **(env or {})},
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -284,7 +286,7 @@ class Cluster:
             return families.stamp_takeover(conn, key, view.generation, view.holder_id)
 
     def request(self, family: str, scope_id: str) -> int:
-        fam = families.registry.get(family)
+        fam = families.lookup(family)
         with self.backend.transaction() as conn:
             g = fam.request(conn, scope_id)
             conn.execute(insert(families.accepted).values(family=fam.name, scope_id=scope_id, g=g))
@@ -296,7 +298,7 @@ class Cluster:
             acc = _accepted(conn)
             out = []
             for fam_name, scope, g in acc:
-                row = intents.get(conn, families.registry.get(fam_name).binding_name, scope)
+                row = intents.get(conn, families.lookup(fam_name).binding_name, scope)
                 handled = 0 if row is None else row.handled_generation
                 if handled < int(g):
                     out.append((fam_name, scope, int(g), handled))

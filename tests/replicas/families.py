@@ -307,3 +307,38 @@ auto_registry = Registry()
 @family("replica-auto", interval=1, max_workers=2, timeout=30, registry=auto_registry)
 def auto(scope_id: str, ctx: ExecutionContext) -> None:
     process(scope_id, ctx)
+
+
+#: Four families for the dedicated scale-out tests (placement over several replicas).
+scale_registry = Registry()
+
+
+@family("scale-a", max_workers=2, timeout=30, registry=scale_registry)
+def scale_a(scope_id: str, ctx: ExecutionContext) -> None:
+    process(scope_id, ctx)
+
+
+@family("scale-b", max_workers=2, timeout=30, registry=scale_registry)
+def scale_b(scope_id: str, ctx: ExecutionContext) -> None:
+    process(scope_id, ctx)
+
+
+@family("scale-c", max_workers=2, timeout=30, registry=scale_registry)
+def scale_c(scope_id: str, ctx: ExecutionContext) -> None:
+    process(scope_id, ctx)
+
+
+@family("scale-d", max_workers=2, timeout=30, registry=scale_registry)
+def scale_d(scope_id: str, ctx: ExecutionContext) -> None:
+    process(scope_id, ctx)
+
+
+REGISTRIES = {"default": registry, "auto": auto_registry, "scale": scale_registry}
+
+
+def lookup(name: str) -> Any:
+    """A test family by name, whichever registry holds it."""
+    for reg in REGISTRIES.values():
+        if name in reg:
+            return reg.get(name)
+    raise KeyError(name)

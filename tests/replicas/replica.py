@@ -4,9 +4,9 @@
 
 Configuration comes from the environment exactly as in production
 (``POWERCONTEXT_SERVER_RUNTIME_*``: role, mode, database URL, lease timing, HTTP port); the
-registry is ``tests.replicas.families.registry``. The only test-specific knob is a short failure
-backoff (``--backoff-base``) so that crashed Workers are retried in about a second instead of the
-RFC's 30 s.
+registry is ``tests.replicas.families.registry`` (``--registry scale``: the four scale-out
+families). The only test-specific knob is a short failure backoff (``--backoff-base``) so that
+crashed Workers are retried in about a second instead of the RFC's 30 s.
 
 With role ``api`` the process also runs a request writer, as an application embedding apsup's API
 role would: each request is accepted in one transaction together with a ``replica_accepted`` row
@@ -68,11 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval", type=float, default=0.05)
     parser.add_argument("--scopes", type=int, default=20)
     parser.add_argument("--backoff-base", type=float, default=0.5)
+    parser.add_argument("--registry", choices=sorted(families.REGISTRIES), default="default")
     args = parser.parse_args(argv)
 
-    settings = Settings.load(families.registry)
+    registry = families.REGISTRIES[args.registry]
+    settings = Settings.load(registry)
     backoff = Backoff(base=args.backoff_base, factor=2.0, cap=args.backoff_base * 4, jitter=0.1)
-    runtime = Runtime(settings, families.registry, backoff=backoff, configure_logs=True)
+    runtime = Runtime(settings, registry, backoff=backoff, configure_logs=True)
     info = Path(args.info)
 
     def publish() -> None:
