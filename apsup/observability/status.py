@@ -67,6 +67,10 @@ class SupervisorStatus(TypedDict):
     generation: int | None
     families: dict[str, FamilyStatus]
     lease_error: NotRequired[str | None]  # set while the lease cannot be read/renewed
+    #: Dedicated scale-out: the replica the placement rule names for this key, and the one this
+    #: replica is handing it over to (its running Workers finishing), if any.
+    preferred_replica: NotRequired[str | None]
+    handing_off_to: NotRequired[str | None]
 
 
 class StatusSnapshot(TypedDict):

@@ -386,6 +386,9 @@ class HostObserver:
                 "generation": generation,
                 "families": families,
             }
+            if host.balancer is not None:
+                entry["preferred_replica"] = host.balancer.preferred(sup.key)
+                entry["handing_off_to"] = sup.handing_off
             if self._lease_error is not None:
                 entry["lease_error"] = self._lease_error
             elif host.startup_error is not None:

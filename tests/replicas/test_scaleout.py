@@ -39,6 +39,7 @@ from apsup.supervisor.placement import assign
 from tests.faults.partition import PartitionCluster
 from tests.replicas import families
 from tests.replicas.cluster import Cluster, Replica
+from tests.replicas.support import http_get, wait_for
 
 pytestmark = [pytest.mark.mysql_only, pytest.mark.timeout(420)]
 
@@ -65,6 +66,7 @@ class Watcher(threading.Thread):
         self.stop = threading.Event()
         self.history: dict[str, list[Holding]] = {k: [] for k in KEYS}
         self.current: dict[str, str | None] = dict.fromkeys(KEYS)
+        self.replica_of: dict[str, str] = {}  # holder id -> replica id, as ever seen
         self.errors = 0
 
     def read(self) -> dict[str, str | None]:
@@ -84,8 +86,10 @@ class Watcher(threading.Thread):
             conn.rollback()
         out: dict[str, str | None] = dict.fromkeys(KEYS)
         for key, holder, expires, replica, now in rows:
+            if replica is not None:  # a leaving replica deletes its rows before it releases
+                self.replica_of[holder] = replica
             live = holder != INVALIDATED and expires is not None and expires > now
-            out[key] = (replica or f"?{holder[:6]}") if live else None
+            out[key] = self.replica_of.get(holder, f"?{holder[:6]}") if live else None
         return out
 
     def run(self) -> None:
@@ -123,15 +127,20 @@ class Watcher(threading.Thread):
         return out
 
     def led_again(self, key: str, since: float) -> float | None:
-        """Seconds from ``since`` to the first live holder of ``key`` observed after a moment
-        without one (or a different one) after ``since``."""
-        gone = False
+        """Seconds from ``since`` to the first live holder of ``key`` after ``since`` that is
+        another replica than the one leading then, or comes after a moment without one (a
+        takeover may fall between two samples)."""
+        before = None
         for h in self.history[key]:
-            if h.at < since:
+            if h.at <= since:
+                before = h.replica
+        gone = before is None
+        for h in self.history[key]:
+            if h.at <= since:
                 continue
             if h.replica is None:
                 gone = True
-            elif gone:
+            elif gone or h.replica != before:
                 return h.at - since
         return None
 
@@ -246,6 +255,14 @@ def test_families_spread_move_once_and_come_back(cluster: PartitionCluster) -> N
             1,
             2,
         ]
+
+        # /status of a replica says which replica the rule names for each family.
+        def named() -> dict | None:  # each process reads membership every half Lease
+            _, body = http_get(int(a.port or 0), "/status")
+            got = {e["key"]: e.get("preferred_replica") for e in body["supervisors"]}
+            return got if got == {f"artifact:{f}": r for f, r in three.items()} else None
+
+        wait_for(named, LEASE, "every family's preferred replica in /status")
         time.sleep(1.0)  # settled: nothing moves on
         joined = w.moves(t_first)
         assert all(n <= 2 for n in joined.values()), joined  # two joins: at most one move each
@@ -279,8 +296,8 @@ def test_families_spread_move_once_and_come_back(cluster: PartitionCluster) -> N
         c.signal_all(c.process_tree(b), signal.SIGKILL)
         b.proc.wait(10)
         _wait_placement(w, {"rep-a", "rep-c"}, t_kill, "after rep-b was killed")
-        for k in b_keys:
-            took_kill = w.led_again(k, t_kill)
+        kill_times = {k: w.led_again(k, t_kill) for k in b_keys}
+        for k, took_kill in kill_times.items():
             assert took_kill is not None and took_kill <= TAKEOVER_BOUND, (k, took_kill)
         time.sleep(1.0)
         killed = w.moves(t_kill)
@@ -289,7 +306,8 @@ def test_families_spread_move_once_and_come_back(cluster: PartitionCluster) -> N
         print(
             f"join balanced in {took:.2f}s; leave balanced in {took_leave:.2f}s "
             f"(gaps {[round(g or 0, 2) for g in gaps]}); moves join {joined} leave {left} "
-            f"back {back} kill {killed}; {stream.accepted} requests"
+            f"back {back} kill {killed} (led again after {kill_times}); "
+            f"{stream.accepted} requests"
         )
         assert a.alive()
     finally:
