@@ -7,7 +7,7 @@ through a family module whose import happens before the variable matters). A fil
 folder arms one fault, consumed when it fires:
 
 - ``fail-next-fork``: the next fork raises ``OSError(EAGAIN)`` (a kernel that refuses a fork;
-  multiprocess's forkserver dies of it);
+  the forkserver dies of it);
 - ``die-after-fork``: the forkserver SIGKILLs itself right after the next fork, before it
   reports the child's pid to the host; the child runs on.
 """
@@ -46,7 +46,7 @@ def install(folder: str) -> None:
 def _in_forkserver() -> bool:
     try:
         with open("/proc/self/cmdline", "rb") as fh:
-            return b"multiprocess.forkserver" in fh.read()
+            return b"apsup.workers.zygote" in fh.read()
     except OSError:
         return False
 

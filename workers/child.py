@@ -1,7 +1,8 @@
 """Worker child bootstrap: the first code that runs in a freshly forked Worker.
 
-The forkserver forks this module's :func:`main` with ``(target, payload)``: a ``"module:function"``
-string and opaque bytes (orjson made by the caller). Nothing else crosses the process boundary.
+The zygote (``apsup.workers.zygote``) forks this module's :func:`main` with ``(target,
+payload)``: a ``"module:function"`` string and opaque bytes (orjson made by the caller), plus
+the deadline and the launch's hold pipe. Nothing else crosses the process boundary.
 
 What ``main`` does, in order, and why:
 
@@ -209,18 +210,25 @@ def run(target: str, payload: bytes) -> int:
     return int(result)
 
 
-def main(target: str, payload: bytes, timeout: float | None = None, grace: float = 5.0) -> NoReturn:
+def main(
+    target: str,
+    payload: bytes,
+    timeout: float | None = None,
+    grace: float = 5.0,
+    hold_fd: int | None = None,
+) -> NoReturn:
     """Worker entry point (runs in the forked child): isolate, install signals, run, exit.
 
     ``timeout``/``grace``: the pool's deadline for this Worker and its SIGTERM-to-SIGKILL grace,
-    armed here as the Worker's own backstop (``None``: only the host enforces a deadline)."""
+    armed here as the Worker's own backstop (``None``: only the host enforces a deadline).
+    ``hold_fd``: the launch's hold pipe (``apsup.workers.zygote``)."""
     global _finished_code
     # PermissionError: already a group leader (e.g. run by hand); nothing to detach from.
     with contextlib.suppress(PermissionError):
         os.setsid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
-    _report_pid()
+    _report_pid(hold_fd)
     deadline.arm(timeout, grace)
     random.seed()
     code: int
@@ -235,17 +243,16 @@ def main(target: str, payload: bytes, timeout: float | None = None, grace: float
     _exit(code)
 
 
-def _report_pid() -> None:
-    """Write our pid into the launch's hold pipe (the first fd the forkserver handed over) and
-    keep it open for life: if the forkserver dies before it reports this pid, the host still
-    learns it there, and EOF on that pipe tells it when no process of this launch is left
-    (``apsup.workers.pool``). A launch made without one (by hand) has nothing to report to."""
-    from multiprocess import forkserver
+def _report_pid(hold_fd: int | None) -> None:
+    """Write our pid into the launch's hold pipe and keep it open for life: if the zygote dies
+    before it reports this pid, the host still learns it there, and EOF on that pipe tells it
+    when no process of this launch is left (``apsup.workers.pool``). A launch made without one
+    (by hand) has nothing to report to."""
+    if hold_fd is not None:
+        from apsup.workers.zygote import write_signed
 
-    fds = getattr(forkserver._forkserver, "_inherited_fds", None) or ()
-    if fds:
         with contextlib.suppress(OSError):
-            forkserver.write_signed(fds[0], os.getpid())
+            write_signed(hold_fd, os.getpid())
 
 
 def noop(payload: bytes) -> int:

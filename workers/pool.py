@@ -1,17 +1,18 @@
 """Launch, time out, terminate and confirm Worker processes through a preloaded forkserver.
 
-Why a forkserver with preload: the forkserver is a fresh interpreter that imports the registered
-family modules once, before the host has opened any connection or started any thread; each Worker
-is then an ``os.fork()`` of that clean image (launch to confirmed exit ~7-12 ms here vs ~250-300
-ms for ``spawn``: ``benchmarks/launch.py``) and inherits no parent state (DESIGN.md §4, §6).
+Why a forkserver with preload: the forkserver (``apsup.workers.zygote``) is a fresh interpreter
+that imports the registered family modules once, before the host has opened any connection or
+started any thread; each Worker is then an ``os.fork()`` of that clean image (launch to
+confirmed exit a few ms vs ~250-300 ms for ``spawn``: ``benchmarks/launch.py``) and inherits no
+parent state (DESIGN.md §4, §6).
 
 Exit confirmation. A Worker is the *forkserver's* child, not ours: we cannot ``waitpid`` it. The
 forkserver reaps it with ``waitpid`` and writes the wait status into a per-child pipe whose read
 end is the handle's *sentinel*. Reading that status is the confirmation; pid existence never is
 (a dead Worker may be an unreaped zombie, and pids are reused: ``pid_max`` is 32768 here). Only a
 confirmed exit releases the handle, so capacity is never released early (RFC §6). If the
-forkserver dies, the sentinel reports EOF and ``multiprocess`` fabricates exit code 255; that is
-never taken as an exit. Instead the pool makes its owner a child subreaper
+forkserver dies, the sentinel reports EOF (read as exit code 255); that is never taken as an
+exit. Instead the pool makes its owner a child subreaper
 (``PR_SET_CHILD_SUBREAPER``) when it starts: the Workers of a dead forkserver are reparented to
 the owner, which adopts them, keeps enforcing their deadlines and confirms their exits with its
 own ``waitpid`` (woken by a pidfd). A Worker that is no longer our child by then was already
@@ -26,9 +27,9 @@ signalled through a pidfd opened at launch, never by a bare number that may have
 (see ``WorkerPool._signal_group``). The Worker also carries its deadline and stops itself if no
 host is left to (``apsup.workers.deadline``).
 
-Process-global state. ``multiprocess`` keeps one forkserver (and one preload list) per process, so
-only one open ``WorkerPool`` may exist per process, and a pool must be created after any fork of
-its owner (the dedicated-mode launcher must fork Supervisors first; each creates its own pool).
+Process-global state: the pool makes its owner a child subreaper, so only one open
+``WorkerPool`` may exist per process, and a pool must be created after any fork of its owner
+(the dedicated-mode launcher must fork Supervisors first; each creates its own pool).
 
 Launches do not wait for the fork (``WorkerPool.submit``): the pid arrives on the same pipe as
 the exit status, so the owner waits on it with the exits and the pool reads it in ``poll``; the
@@ -36,10 +37,9 @@ Worker's deadline counts from then. Measured at 8 Workers (300 no-op invocations
 machine): the host loop spent 3.9 s of 5.1 s blocked in launches and all 8 Workers were in
 flight 21% of the time; pipelined, 0.35 s and 90%.
 
-Private ``multiprocess`` internals used (pinned ``multiprocess<0.71``): ``Popen._launch`` and
-``connect_to_new_process`` are re-implemented (no ``__main__`` re-import, C pickle, the pid read
-later, no resource-tracker probe per launch), and the forkserver's pid/alive fd are read to
-detect its death and to stop it (no public stop exists).
+The launcher is apsup's own (``apsup.workers.zygote``): one message per launch, the child calls
+the Worker's entry point directly; this module keeps the accounting (capacity, deadlines,
+signals, confirmation, adoption).
 """
 
 from __future__ import annotations
@@ -47,12 +47,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import io
 import os
-import pickle
 import select
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -63,21 +60,12 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal
 
-from multiprocess import (
-    connection,
-    forkserver,
-    popen_forkserver,
-    reduction,
-    resource_tracker,
-    spawn,
-    util,
-)
-from multiprocess.context import ForkServerProcess, set_spawning_popen
+from multiprocess import connection
 
 from apsup.errors import ConfigError, WorkerStartError
 from apsup.observability.logging import redact
-from apsup.workers.child import main as _child_main
 from apsup.workers.exit_codes import ExitCode, describe
+from apsup.workers.zygote import Zygote, read_signed
 
 __all__ = ["ForkServerStuck", "WorkerExit", "WorkerHandle", "WorkerPool", "WorkerState"]
 
@@ -89,7 +77,7 @@ __all__ = ["ForkServerStuck", "WorkerExit", "WorkerHandle", "WorkerPool", "Worke
 WorkerState = Literal["launching", "running", "terminating", "killing", "unconfirmed"]
 
 _CHILD_MODULE = "apsup.workers.child"
-_FORKSERVER_EOF_EXITCODE = 255  # what multiprocess reports when the status pipe hits EOF
+_FORKSERVER_EOF_EXITCODE = 255  # what a status pipe at EOF reads as (the zygote died)
 #: Exits of a stopped Worker (graceful, second SIGTERM, SIGTERM before its handler, SIGKILL).
 _STOP_CODES = frozenset(
     {ExitCode.TERMINATED, ExitCode.FORCED_EXIT, ExitCode.KILLED_SIGTERM, ExitCode.KILLED_SIGKILL}
@@ -183,52 +171,20 @@ class WorkerHandle:
         return int(self._popen.sentinel)
 
 
-class _LeanForkServerPopen(popen_forkserver.Popen):  # type: ignore[misc]
-    """``multiprocess``'s forkserver ``Popen``, split so a launch does not wait for the fork.
+class _Launch:
+    """One launch's end of its status pipe: the zygote writes the pid, then the exit status."""
 
-    The constructor only *sends* the launch (fds and the pickled process object); the forkserver
-    writes the new pid and, later, the exit status into the pipe whose read end is
-    ``sentinel``: the pool reads the pid when that fd is readable (``WorkerPool.poll``), so the
-    owner's loop launches several Workers back to back and handles exits meanwhile, instead of
-    blocking ~3-6 ms per launch on the fork.
+    __slots__ = ("pid", "sentinel")
 
-    Also unlike upstream: no ``__main__`` re-import (upstream sends ``init_main_from_path``/
-    ``_name`` and every child re-executes the host's main script as ``__mp_main__``: a full
-    import per launch, and host code in the Worker; our pickled process references only
-    ``apsup.workers.child.main``, a ``str`` and ``bytes``), the C pickler, no registration in
-    ``multiprocessing``'s child list (whose per-launch ``_cleanup`` polls every running child,
-    and would take a pid that has not been read yet for an exit status).
-    """
+    def __init__(self, sentinel: int) -> None:
+        self.sentinel = sentinel
+        self.pid: int | None = None
 
-    def __init__(self, process_obj: Any, connect_timeout: float, hold_w: int | None = None) -> None:
-        # The forkserver hands extra fds to the child it forks (``_inherited_fds``) and closes
-        # its own copies once it has reported the pid.
-        self._fds: list[int] = [] if hold_w is None else [hold_w]
-        self.returncode = None
-        self.finalizer = None
-        self.pid = None
-        self._send(process_obj, connect_timeout)
-
-    def _send(self, process_obj: Any, connect_timeout: float) -> None:
-        prep_data = spawn.get_preparation_data(process_obj._name)
-        prep_data.pop("init_main_from_path", None)
-        prep_data.pop("init_main_from_name", None)
-        buf = io.BytesIO()
-        set_spawning_popen(self)
-        try:
-            # stdlib (C) pickle, not dill: ~1 ms less per launch, and it can only reference
-            # importable functions, never ship code or closures by value. dill loads it as is.
-            pickler = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
-            pickler.dump(prep_data)
-            pickler.clear_memo()
-            pickler.dump(process_obj)
-        finally:
-            set_spawning_popen(None)
-        self.sentinel, w = _connect_to_new_process(self._fds, connect_timeout)
-        _parent_w = os.dup(w)  # the child's "parent alive" sentinel, as upstream
-        self.finalizer = util.Finalize(self, util.close_fds, (_parent_w, self.sentinel))
-        with open(w, "wb", closefd=True) as f:
-            f.write(buf.getbuffer())
+    def close(self) -> None:
+        if self.sentinel >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.sentinel)
+            self.sentinel = -1
 
 
 def _readable(fd: int) -> bool:
@@ -241,9 +197,9 @@ def _readable(fd: int) -> bool:
 @contextlib.contextmanager
 def _sigint_ignored() -> Iterator[None]:
     """Start a forkserver that ignores SIGINT from its first instruction. A terminal's Ctrl-C
-    reaches the whole process group; ``multiprocess``'s forkserver ignores SIGINT only after
-    its preload imports, so a Ctrl-C during them killed it (a ``KeyboardInterrupt`` traceback,
-    and a stop that looked like a configuration error). An ignored signal stays ignored across
+    reaches the whole process group; a forkserver that ignored SIGINT only after its preload
+    imports died of a Ctrl-C during them (a ``KeyboardInterrupt`` traceback, and a stop that
+    looked like a configuration error). An ignored signal stays ignored across
     fork and exec, and Python installs its own SIGINT handler only where it starts with the
     default one. Meanwhile this process keeps SIGINT blocked, not ignored: one that arrives then
     stays pending and reaches the restored handler. Main thread only (elsewhere Python cannot
@@ -258,46 +214,6 @@ def _sigint_ignored() -> Iterator[None]:
     finally:
         signal.signal(signal.SIGINT, previous)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-
-
-def _connect_to_new_process(fds: list[int], timeout: float) -> tuple[int, int]:
-    """Upstream ``ForkServer.connect_to_new_process``, minus a probe on every launch.
-
-    Upstream runs ``ensure_running`` per launch, which writes a probe line to multiprocess's
-    resource tracker (waking that process) to check it is alive: 5% of the host loop's CPU.
-    Here both are checked only when the forkserver is not known to be alive, i.e. when this
-    launch (re)starts it; Workers never use the tracker (they create no multiprocess shared
-    memory or semaphores), they only inherit its fd. ``timeout`` bounds the connection (a
-    wedged forkserver's listen queue fills up). Returns ``(status_r, data_w)``."""
-    fs = forkserver._forkserver
-    tracker_fd = resource_tracker._resource_tracker._fd
-    if tracker_fd is None or not _is_alive_child(fs._forkserver_pid):
-        with _sigint_ignored():
-            fs.ensure_running()
-        tracker_fd = resource_tracker.getfd()
-    if len(fds) + 4 >= forkserver.MAXFDS_TO_SEND:
-        raise ValueError("too many fds")
-    with socket.socket(socket.AF_UNIX) as client:
-        client.settimeout(timeout)
-        client.connect(fs._forkserver_address)
-        parent_r, child_w = os.pipe()
-        child_r, parent_w = os.pipe()
-        allfds = [child_r, child_w, fs._forkserver_alive_fd, tracker_fd, *fds]
-        try:
-            reduction.sendfds(client, allfds)
-            return parent_r, parent_w
-        except BaseException:
-            os.close(parent_r)
-            os.close(parent_w)
-            raise
-        finally:
-            os.close(child_r)
-            os.close(child_w)
-
-
-class _WorkerProcess(ForkServerProcess):  # type: ignore[misc]
-    """The process object the Worker unpickles and runs (never ``start()``-ed here: the pool
-    sends it through :class:`_LeanForkServerPopen` itself)."""
 
 
 _active_lock = threading.Lock()
@@ -372,13 +288,9 @@ def _become_subreaper() -> bool:
         return False
 
 
-def _forkserver_state() -> Any:
-    return forkserver._forkserver
-
-
 def _is_alive_child(pid: int | None) -> bool:
     """Whether our direct child ``pid`` has not exited; does not reap it (``WNOWAIT``), so
-    ``multiprocess``'s own ``waitpid`` on the forkserver keeps working."""
+    the zygote's own ``stop`` can still reap it."""
     if pid is None:
         return False
     try:
@@ -467,11 +379,8 @@ class WorkerPool:
                         "preload list are process-global, close() the other pool first"
                     )
             _active = (os.getpid(), self)
+        self._zygote = Zygote(self.preload)
         try:
-            fs = _forkserver_state()
-            if fs._forkserver_pid is not None:
-                self._stop_forkserver(timeout=self.confirm_seconds)  # stale preload list
-            fs.set_forkserver_preload(self.preload)
             self._start_and_verify()
         except BaseException:
             self._closed = True
@@ -551,8 +460,7 @@ class WorkerPool:
     @property
     def forkserver_pid(self) -> int | None:
         """Pid of the current forkserver (for health checks and tests)."""
-        pid = _forkserver_state()._forkserver_pid
-        return int(pid) if pid is not None else None
+        return self._zygote.pid
 
     def close(self) -> list[WorkerHandle]:
         """Terminate running Workers, stop the forkserver; return handles left unconfirmed."""
@@ -577,34 +485,10 @@ class WorkerPool:
         return abandoned
 
     def _stop_forkserver(self, timeout: float) -> None:
-        """Bounded stop: ``multiprocess``'s ``_stop`` blocks until every holder of the alive pipe
-        (each Worker and any escaped grandchild) is gone; here the forkserver is killed instead
-        after ``timeout``. It is our direct child, so its pid is safe to signal."""
-        fs = _forkserver_state()
-        with fs._lock:
-            pid = fs._forkserver_pid
-            if pid is None:
-                return
-            if fs._forkserver_alive_fd is not None:
-                with contextlib.suppress(OSError):
-                    os.close(fs._forkserver_alive_fd)
-            end = time.monotonic() + timeout
-            try:
-                while os.waitpid(pid, os.WNOHANG)[0] == 0:
-                    if time.monotonic() >= end:
-                        os.kill(pid, signal.SIGKILL)
-                        os.waitpid(pid, 0)
-                        break
-                    time.sleep(0.01)
-            except ChildProcessError:
-                pass
-            address = fs._forkserver_address
-            if address is not None and not util.is_abstract_socket_namespace(address):
-                with contextlib.suppress(OSError):
-                    os.unlink(address)
-            fs._forkserver_address = None
-            fs._forkserver_alive_fd = None
-            fs._forkserver_pid = None
+        """Bounded stop of the zygote: it exits when its alive pipe closes, else it is killed
+        after ``timeout``; Workers it forked run on (adopted by this pool as subreaper)."""
+        with self._zygote.lock:
+            self._zygote.stop(timeout)
 
     def __enter__(self) -> WorkerPool:
         return self
@@ -698,21 +582,22 @@ class WorkerPool:
             raise ValueError(f"target must be 'module:function', got {target!r}")
         if not timeout > 0:
             raise ValueError("timeout must be > 0")
-        process = _WorkerProcess(
-            target=_child_main,
-            # The deadline travels too: the Worker stops itself if no host is left to
-            # (``apsup.workers.deadline``).
-            args=(target, payload, float(timeout), self.grace_seconds),
-            name=f"apsup-worker-{worker_id}",
-        )
         fs_pid = self.forkserver_pid
         if fs_pid is None or not _is_alive_child(fs_pid):
-            # This launch (re)starts the forkserver, preload imports included.
+            # This launch (re)starts the zygote, preload imports included.
             pid_timeout = max(pid_timeout, self.start_timeout)
+            with self._zygote.lock:
+                if fs_pid is not None:
+                    self._zygote.stop(0)  # reap the dead one, drop its socket
+                self._zygote.start()
         sent = time.monotonic()
         hold_r, hold_w = os.pipe()
         try:
-            popen = _LeanForkServerPopen(process, pid_timeout, hold_w)
+            # The deadline travels too: the Worker stops itself if no host is left to
+            # (``apsup.workers.deadline``).
+            status_r = self._zygote.send(
+                target, payload, float(timeout), self.grace_seconds, hold_w, pid_timeout
+            )
         except TimeoutError as exc:  # its listen queue is full: wedged
             os.close(hold_r)
             self._stop_forkserver(timeout=0)
@@ -721,7 +606,8 @@ class WorkerPool:
             os.close(hold_r)
             raise
         finally:
-            os.close(hold_w)  # the forkserver has its own copy now (or none: nothing was sent)
+            os.close(hold_w)  # the zygote has its own copy now (or none: nothing was sent)
+        popen = _Launch(status_r)
         handle = WorkerHandle(
             worker_id=worker_id,
             pid=0,
@@ -746,14 +632,14 @@ class WorkerPool:
         (the sentinel is the hold pipe from now on)."""
         if not h.orphan:
             try:
-                pid = forkserver.read_signed(h.sentinel)
+                pid = read_signed(h.sentinel)
             except (OSError, EOFError):
                 h.orphan = True
                 if h.hold is None or not _readable(h.hold):
                     return None if h.hold is not None else False
         if h.orphan:
             try:
-                pid = forkserver.read_signed(h.hold)
+                pid = read_signed(h.hold)
             except (OSError, EOFError, TypeError):
                 return False  # every holder is gone and none wrote a pid: nothing runs
             # Its forkserver is gone: only our own waitpid (as subreaper) can confirm it.
@@ -806,7 +692,7 @@ class WorkerPool:
     def _read_status(h: WorkerHandle) -> int:
         """The exit status the forkserver wrote (its sentinel is readable); 255 at EOF."""
         try:
-            return int(forkserver.read_signed(h.sentinel))
+            return int(read_signed(h.sentinel))
         except (OSError, EOFError):
             return _FORKSERVER_EOF_EXITCODE
 

@@ -61,16 +61,15 @@ def _cmdline(pid: int) -> bytes:
 
 
 def forkserver_of(replica: Replica) -> int | None:
-    """The replica's forkserver: its direct child in the replica's own process group (Workers
-    lead their own groups) that runs ``multiprocess.forkserver``; the resource tracker is such
-    a child too, and killing it instead would be a different fault."""
+    """The replica's Worker zygote: its direct child in the replica's own process group
+    (Workers lead their own groups) that runs ``apsup.workers.zygote``."""
     for pid in descendants(replica.pid):
         st = _stat(pid)
         if (
             st is not None
             and st[0] == replica.pid
             and st[1] == replica.pid
-            and b"forkserver" in _cmdline(pid)
+            and b"apsup.workers.zygote" in _cmdline(pid)
         ):
             return pid
     return None

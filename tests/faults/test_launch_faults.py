@@ -178,7 +178,7 @@ def _forkserver_of(pid: int) -> int | None:
     for child in descendants(pid):
         try:
             with open(f"/proc/{child}/cmdline", "rb") as fh:
-                if b"multiprocess.forkserver" in fh.read():
+                if b"apsup.workers.zygote" in fh.read():
                     return child
         except OSError:
             continue

@@ -1,0 +1,278 @@
+"""The Worker launcher: a pre-warmed process that forks one Worker per launch message.
+
+Why not ``multiprocess``'s forkserver: per launch it pickled a process object and its
+preparation data, the child unpickled both, ran the package's bootstrap and exit hooks, and the
+host probed a resource tracker that Workers never use: 3-5 ms of CPU per invocation on top of
+the fork itself. Here a launch is one message and the child calls the Worker's entry point
+directly.
+
+Protocol (per launch, host -> zygote): the host connects to the zygote's Unix socket and sends
+``header | target | payload`` with two fds attached (``SCM_RIGHTS``): the write end of the
+launch's *status pipe* and the write end of its *hold pipe*, then closes the connection. The
+zygote forks; the child runs :func:`apsup.workers.child.main` with the hold fd (it writes its
+own pid there first and keeps it open for life); the zygote writes the child's pid into the
+status pipe, and later, when it has reaped the child (``SIGCHLD``), its exit code
+(``waitstatus_to_exitcode``), then closes it. The host reads both from the status pipe's read
+end (``apsup.workers.pool``): the pid, and the exit status that confirms the exit. EOF without
+a status means the zygote died; the pool then adopts the Worker as its subreaper.
+
+The zygote exits when the host closes the *alive* pipe (the host stopped, or died): it forks
+nothing more; Workers it forked keep running under their own deadlines.
+
+Started as ``python -c <boot> LISTEN_FD ALIVE_FD MODULE...`` with SIGINT ignored from its
+first instruction (``pool._sigint_ignored``): the interpreter's default ``sys.path`` with
+``PYTHONPATH`` and the working directory, like any fresh process. It imports the preload
+modules (an ``ImportError`` is left for the pool's probe to report; any other error at import
+ends it, and the pool tells why), then serves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import NoReturn
+
+_SIGNED = struct.Struct("q")
+_HEADER = struct.Struct("!ddI")  # timeout, grace, len(target)
+#: The zygote's command: ``-c`` (not ``-m``, which would run a second copy of this module).
+_BOOT = "import sys; from apsup.workers.zygote import main; main(sys.argv[1:])"
+
+
+def write_signed(fd: int, n: int) -> None:
+    data = _SIGNED.pack(n)
+    while data:
+        written = os.write(fd, data)
+        data = data[written:]
+
+
+def read_signed(fd: int) -> int:
+    """The next 8-byte integer from ``fd``; ``EOFError`` at end of file."""
+    data = b""
+    while len(data) < _SIGNED.size:
+        chunk = os.read(fd, _SIGNED.size - len(data))
+        if not chunk:
+            raise EOFError("end of file before an integer")
+        data += chunk
+    return int(_SIGNED.unpack(data)[0])
+
+
+# -- host side ----------------------------------------------------------------------------------
+
+
+class Zygote:
+    """The host's handle on its zygote process (one per pool)."""
+
+    def __init__(self, preload: list[str]) -> None:
+        self.preload = list(preload)
+        self.pid: int | None = None
+        self.address: str | None = None
+        self.alive_w: int | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._dir: str | None = None
+        self.lock = threading.Lock()
+
+    def start(self) -> None:
+        """Start a zygote (the caller knows none runs). Its socket listens before it exists,
+        so launches sent while it imports its preload modules wait in the backlog."""
+        from apsup.workers.pool import _sigint_ignored
+
+        self._dir = tempfile.mkdtemp(prefix="apsup-zygote-")
+        address = os.path.join(self._dir, "launch.sock")
+        alive_r, alive_w = os.pipe()
+        try:
+            with socket.socket(socket.AF_UNIX) as listener:
+                listener.bind(address)
+                os.chmod(address, 0o600)
+                listener.listen(128)
+                cmd = [sys.executable, "-c", _BOOT, str(listener.fileno()), str(alive_r)]
+                with _sigint_ignored():
+                    self._proc = subprocess.Popen(
+                        [*cmd, *self.preload],
+                        pass_fds=(listener.fileno(), alive_r),
+                        stdin=subprocess.DEVNULL,
+                    )
+        except BaseException:
+            os.close(alive_w)
+            raise
+        finally:
+            os.close(alive_r)
+        self.pid, self.address, self.alive_w = self._proc.pid, address, alive_w
+
+    def send(
+        self,
+        target: str,
+        payload: bytes,
+        timeout: float,
+        grace: float,
+        hold_w: int,
+        connect_timeout: float,
+    ) -> int:
+        """Send one launch; returns the read end of its status pipe."""
+        assert self.address is not None
+        status_r, status_w = os.pipe()
+        try:
+            head = _HEADER.pack(timeout, grace, len(target.encode())) + target.encode()
+            with socket.socket(socket.AF_UNIX) as client:
+                client.settimeout(connect_timeout)
+                client.connect(self.address)
+                sent = socket.send_fds(client, [head], [status_w, hold_w])
+                if sent < len(head):
+                    client.sendall(head[sent:])
+                client.sendall(payload)
+            return status_r
+        except BaseException:
+            os.close(status_r)
+            raise
+        finally:
+            os.close(status_w)
+
+    def stop(self, timeout: float) -> None:
+        """Close the alive pipe (the zygote exits), wait up to ``timeout``, then kill it. It is
+        our direct child: its pid is safe to signal until we reap it here."""
+        pid = self.pid
+        if self.alive_w is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.alive_w)
+            self.alive_w = None
+        if pid is not None:
+            end = time.monotonic() + timeout
+            try:
+                while os.waitpid(pid, os.WNOHANG)[0] == 0:
+                    if time.monotonic() >= end:
+                        os.kill(pid, signal.SIGKILL)
+                        os.waitpid(pid, 0)
+                        break
+                    time.sleep(0.01)
+            except ChildProcessError:
+                pass
+            if self._proc is not None:
+                self._proc.returncode = 0  # reaped above: Popen must not wait for it again
+        if self.address is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.address)
+        if self._dir is not None:
+            with contextlib.suppress(OSError):
+                os.rmdir(self._dir)
+        self.pid = self.address = self._dir = None
+        self._proc = None
+
+
+# -- zygote side --------------------------------------------------------------------------------
+
+
+def _recv_launch(conn: socket.socket) -> tuple[bytes, list[int]]:
+    data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 16, 2)
+    chunks = [data]
+    while chunk := conn.recv(1 << 16):
+        chunks.append(chunk)
+    return b"".join(chunks), list(fds)
+
+
+def _run_child(message: bytes, hold_w: int, unused: list[int]) -> NoReturn:
+    code = 1
+    try:
+        for fd in unused:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        timeout, grace, size = _HEADER.unpack_from(message)
+        start = _HEADER.size
+        target = message[start : start + size].decode()
+        payload = message[start + size :]
+        from apsup.workers.child import main as child_main
+
+        child_main(target, payload, timeout, grace, hold_fd=hold_w)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            sys.excepthook(*sys.exc_info())
+            sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+def serve(listener_fd: int, alive_r: int) -> None:
+    sig_r, sig_w = os.pipe()
+    os.set_blocking(sig_r, False)
+    os.set_blocking(sig_w, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # its wake-up fd is what matters
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.set_wakeup_fd(sig_w)
+    status_of: dict[int, int] = {}  # child pid -> write end of its status pipe
+    with socket.socket(fileno=listener_fd) as listener, selectors.DefaultSelector() as sel:
+        sel.register(listener, selectors.EVENT_READ)
+        sel.register(alive_r, selectors.EVENT_READ)
+        sel.register(sig_r, selectors.EVENT_READ)
+        while True:
+            ready = {key.fileobj for key, _ in sel.select()}
+            if alive_r in ready:
+                return  # the host is gone or stopped us: fork nothing more
+            if sig_r in ready:
+                with contextlib.suppress(OSError):
+                    while os.read(sig_r, 4096):
+                        pass
+                while True:
+                    try:
+                        pid, status = os.waitpid(-1, os.WNOHANG)
+                    except ChildProcessError:
+                        break
+                    if pid == 0:
+                        break
+                    fd = status_of.pop(pid, None)
+                    if fd is not None:
+                        with contextlib.suppress(OSError):
+                            write_signed(fd, os.waitstatus_to_exitcode(status))
+                        os.close(fd)
+            if listener in ready:
+                conn, _ = listener.accept()
+                with conn:
+                    try:
+                        message, fds = _recv_launch(conn)
+                    except OSError:
+                        continue
+                if len(fds) != 2:
+                    for fd in fds:
+                        os.close(fd)
+                    continue
+                status_w, hold_w = fds
+                pid = os.fork()
+                if pid == 0:
+                    _run_child(
+                        message,
+                        hold_w,
+                        [listener_fd, alive_r, sig_r, sig_w, status_w, *status_of.values()],
+                    )
+                os.close(hold_w)
+                try:
+                    write_signed(status_w, pid)
+                except OSError:
+                    os.close(status_w)  # the host gave up on this launch
+                    continue
+                status_of[pid] = status_w
+
+
+def main(argv: list[str]) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    listener_fd, alive_r, *preload = argv
+    for name in preload:
+        # An ImportError is reported by the pool's probe launch, with what to do about it.
+        with contextlib.suppress(ImportError):
+            __import__(name)
+    with contextlib.suppress(OSError):
+        fd = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(fd, 0)
+        os.close(fd)
+    serve(int(listener_fd), int(alive_r))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
