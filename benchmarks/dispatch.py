@@ -5,8 +5,8 @@ many Scopes on a fresh SQLite database, runs a real host (``build_host``: core d
 discovery, dispatch reads, forkserver launch, the child's invoke wrapper with its duplicate check
 and fenced acknowledgment, exit classification) until every request is handled, and measures
 invocations/s, Worker-slot time per invocation (wall / invocations x Workers) and CPU per
-invocation of every process (the host, the forkserver with the Workers it reaped, multiprocess's
-resource tracker: ``getrusage`` for this process, ``/proc/<pid>/stat`` for the others).
+invocation of every process (the host, the forkserver with the Workers it reaped: ``getrusage``
+for this process, ``/proc/<pid>/stat`` for the others).
 
 The floor is the same machine's bare ``WorkerPool`` launch (``submit``: not waiting for the
 fork, like the Supervisor) whose child does the least any correct Worker must do, with no apsup
@@ -138,7 +138,7 @@ class Run:
     count: int
     wall: float
     #: CPU seconds of every process involved: the host (this process), the forkserver and the
-    #: Workers it reaped, and multiprocess's resource tracker.
+    #: Workers it reaped.
     cpu: float = 0.0
     #: The host's (this process's) share of ``cpu``.
     host_cpu: float = 0.0
@@ -154,7 +154,7 @@ class Run:
 
     @property
     def cpu_ms(self) -> float:
-        """CPU time per invocation, host + forkserver + Workers + resource tracker."""
+        """CPU time per invocation, host + forkserver + Workers."""
         return self.cpu / max(self.count, 1) * 1000
 
     @property
@@ -181,15 +181,13 @@ def _proc_cpu(pid: int | None) -> float:
 class CpuMeter:
     """CPU of all processes of one measurement, read around its timed part only.
 
-    This process's own usage comes from ``getrusage(RUSAGE_SELF)``; the forkserver reaps every
-    Worker before it reports the exit, so its ``/proc`` counters (own + reaped children) hold
-    the Workers' CPU by the time the last exit is confirmed; the resource tracker, probed by
-    multiprocess on each launch, is read the same way. Warm-up launches are excluded."""
+    This process's own usage comes from ``getrusage(RUSAGE_SELF)``; the forkserver (zygote)
+    reaps every Worker before it reports the exit, so its ``/proc`` counters (own + reaped
+    children) hold the Workers' CPU by the time the last exit is confirmed. Warm-up launches
+    are excluded."""
 
     def __init__(self, pool) -> None:  # type: ignore[no-untyped-def]
-        from multiprocess import resource_tracker
-
-        self.pids = [pool.forkserver_pid, resource_tracker._resource_tracker._pid]
+        self.pids = [pool.forkserver_pid]
         self.start = self._read()
 
     def _read(self) -> tuple[float, float]:
@@ -474,7 +472,7 @@ def render_text(rows: list[dict[str, object]], summary: list[dict[str, object]])
             f"{r['slot_ms']!s:>10}{r['cpu_ms']!s:>9}{r['host_cpu_ms']!s:>7}"
         )
     lines.append("* Worker-slot time per invocation: wall / count x workers; cpu ms: CPU per")
-    lines.append("  invocation of all processes (host, forkserver + Workers, resource tracker);")
+    lines.append("  invocation of all processes (host, forkserver + Workers);")
     lines.append("  host: the host process's share of it")
     lines.append("")
     for r in summary:
@@ -485,6 +483,50 @@ def render_text(rows: list[dict[str, object]], summary: list[dict[str, object]])
             f"CPU Supervisor/floor {r['cpu_supervisor_floor']}"
         )
     return "\n".join(lines)
+
+
+def fork_floor_ms(n: int = 1000) -> float:
+    """CPU ms per ``os.fork()`` + ``os._exit(0)`` + ``waitpid`` of a bare interpreter, in a
+    fresh process (the physical floor of any design with a process per invocation)."""
+    import subprocess
+
+    code = (
+        "import os, resource, time\n"
+        f"n = {n}\n"
+        "def cpu():\n"
+        "    a = resource.getrusage(resource.RUSAGE_SELF)\n"
+        "    b = resource.getrusage(resource.RUSAGE_CHILDREN)\n"
+        "    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime\n"
+        "c0 = cpu()\n"
+        "for _ in range(n):\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        os._exit(0)\n"
+        "    os.waitpid(pid, 0)\n"
+        "print((cpu() - c0) / n * 1000)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip())
+
+
+#: Issue target: CPU per no-op invocation (all processes) at most this many fork floors.
+FLOOR_TARGET = 8.0
+
+
+def floor_report(best: dict[tuple[str, int], Run], floor_ms: float) -> list[str]:
+    """The lines the issue asks for: the fork floor, and per Worker count the Supervisor's CPU
+    per invocation as a multiple of it."""
+    lines = [f"fork floor (bare interpreter): {floor_ms:.2f} ms CPU"]
+    for (label, workers), run in sorted(best.items(), key=lambda kv: kv[0][1]):
+        if label != SUPERVISED:
+            continue
+        ratio = run.cpu_ms / floor_ms
+        verdict = "ok" if ratio <= FLOOR_TARGET else f"ABOVE {FLOOR_TARGET:g}"
+        lines.append(
+            f"{workers} Workers: CPU per invocation {run.cpu_ms:.2f} ms = {ratio:.1f} x the fork "
+            f"floor (target <= {FLOOR_TARGET:g}: {verdict}); drain {run.per_second:.0f}/s"
+        )
+    return lines
 
 
 def render_markdown(
@@ -510,8 +552,8 @@ def render_markdown(
     out += [
         "",
         "Worker-slot time = wall time / invocations x Workers. CPU = user + system time of every",
-        "process: the host, the forkserver and the Workers it reaped, multiprocess's resource",
-        "tracker. *floor*: a bare forkserver launch whose child commits one fenced",
+        "process: the host, the forkserver (zygote) and the Workers it reaped. *floor*: a bare",
+        "forkserver launch whose child commits one fenced",
         "acknowledgment with the stdlib `sqlite3` driver (no apsup code, no SQLAlchemy).",
         "",
         "| Workers | Supervisor / floor | target | async / sync | target | floor / raw "
@@ -596,6 +638,7 @@ def main(argv: list[str] | None = None) -> int:
                     if key not in best or run.slot_ms < best[key].slot_ms:
                         best[key] = run
         phases = worker_phases(folder, url)
+        floor_ms = fork_floor_ms()
         if args.profile:
             url = prepare_db(folder, "profile.db", min(args.requests, 200))
             supervised(url, min(args.requests, 200), 2, args.budget, profile=True)
@@ -610,12 +653,20 @@ def main(argv: list[str] | None = None) -> int:
     rows, summary = table_rows(best), ratios(best)
     print(f"\n{setting}\n")
     print(render_text(rows, summary))
+    floor_lines = floor_report(best, floor_ms)
+    print()
+    for line in floor_lines:
+        print(line)
     print("\nDatabase steps of one invocation inside a Worker child (median ms):")
     for name, value in phases.items():
         print(f"  {name:<40}{value:8.2f}")
     if str(args.out) != "-":
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(render_markdown(rows, summary, phases, setting))
+        text = render_markdown(rows, summary, phases, setting)
+        marker = "\nDatabase steps of one invocation"
+        block = "\n" + "\n".join(f"- {line}" for line in floor_lines) + "\n"
+        text = text.replace(marker, block + marker, 1) if marker in text else text + block
+        args.out.write_text(text)
         plot_results(args.out, rows)
         print(f"\nwritten: {args.out}")
     print(f"total benchmark time: {time.perf_counter() - started:.0f} s")
