@@ -323,8 +323,8 @@ class Settings:
     #: default, two thirds of the Lease (``apsup.supervisor.lease_keeper``).
     renew_deadline_seconds: float = 0.0
     #: This replica's stable name in membership (dedicated placement keeps each family on
-    #: the same replica across restarts when it is stable); "": derived at startup.
-    replica_id: str = ""
+    #: the same replica across restarts when it is stable); None: derived at startup.
+    replica_id: str | None = None
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -416,13 +416,10 @@ class Settings:
             "SHUTDOWN_DRAIN_SECONDS", _number(0, inclusive=True), "a number of seconds >= 0"
         )
         src("shutdown_drain_seconds", "SHUTDOWN_DRAIN_SECONDS")
-        replica_id = (
-            r.parse(
-                "REPLICA_ID",
-                _replica_id,
-                "1-64 characters of letters, digits and . _ : - (starting with a letter or digit)",
-            )
-            or ""
+        replica_id = r.parse(
+            "REPLICA_ID",
+            _replica_id,
+            "1-64 characters of letters, digits and . _ : - (starting with a letter or digit)",
         )
         src("replica_id", "REPLICA_ID")
         log_format = r.choice("LOG_FORMAT", LOG_FORMATS) or "auto"
@@ -503,7 +500,7 @@ class Settings:
             "poll_seconds": self.poll_seconds,
             "shutdown_grace_seconds": self.shutdown_grace_seconds,
             "shutdown_drain_seconds": self.shutdown_drain_seconds,
-            "replica_id": self.replica_id or None,
+            "replica_id": self.replica_id,
             "log_format": self.log_format,
             "log_level": self.log_level,
             "families": {

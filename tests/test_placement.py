@@ -126,3 +126,18 @@ def test_only_the_preferred_replica_claims_at_once_unless_the_holder_ran_out() -
     assert not a.should_claim_now(f"artifact:{fam}", last_holder="someone")
     # No view yet: claim as a host without placement would.
     assert _balancer("a").should_claim_now(f"artifact:{fam}")
+
+
+def test_replica_id_setting_is_checked_and_reported() -> None:
+    import pytest
+
+    from apsup.config import Settings
+    from apsup.errors import ConfigError
+    from apsup.registry import Registry
+
+    prefix = Settings.default_prefix()
+    ok = Settings.load(Registry(), env={prefix + "REPLICA_ID": "host-a:8080"})
+    assert ok.replica_id == "host-a:8080"
+    assert Settings.load(Registry(), env={}).replica_id is None
+    with pytest.raises(ConfigError, match="REPLICA_ID"):
+        Settings.load(Registry(), env={prefix + "REPLICA_ID": "has space"})

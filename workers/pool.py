@@ -639,8 +639,10 @@ class WorkerPool:
                     return None if h.hold is not None else False
         if h.orphan:
             try:
+                if h.hold is None:
+                    raise EOFError("no hold pipe")
                 pid = read_signed(h.hold)
-            except (OSError, EOFError, TypeError):
+            except (OSError, EOFError):
                 return False  # every holder is gone and none wrote a pid: nothing runs
             # Its forkserver is gone: only our own waitpid (as subreaper) can confirm it.
             h._status = _FORKSERVER_EOF_EXITCODE

@@ -225,12 +225,12 @@ def _wait(predicate: Any, timeout: float, what: str) -> Any:
 
 def _hosts(victim: Replica) -> list[int]:
     """The replica's host processes: the replica itself and, in dedicated mode, its per-family
-    Supervisor processes (each in a session of its own); not forkservers, Workers (forks of a
-    forkserver, whose command line they keep) or multiprocess's resource trackers."""
+    Supervisor processes (each in a session of its own); not the Worker zygotes, nor Workers
+    (forks of a zygote, whose command line they keep)."""
     out = [victim.pid]
     for pid in descendants(victim.pid):
         cmd = _cmdline(pid)
-        if cmd and b"forkserver" not in cmd and b"resource_tracker" not in cmd:
+        if cmd and b"apsup.workers.zygote" not in cmd:
             out.append(pid)
     return out
 
