@@ -89,7 +89,7 @@ class Family:
 
         control.check_publisher(conn)
         generation = intents.mark_dirty(conn, self.binding_name, scope_id)
-        control.wake_on_commit(conn, self.name)
+        control.wake_on_commit(conn, self.name, scope_id)
         return generation
 
     def request(self, conn: Connection, scope_id: str) -> int:
@@ -99,7 +99,7 @@ class Family:
 
         control.check_publisher(conn)
         generation = intents.request(conn, self.binding_name, scope_id)
-        control.wake_on_commit(conn, self.name)
+        control.wake_on_commit(conn, self.name, scope_id)
         return generation
 
     async def mark_dirty_async(self, conn: AsyncConnection, scope_id: str) -> int:
@@ -120,7 +120,7 @@ class Family:
         control.check_publisher(conn)
         generations = intents.mark_dirty_many(conn, self.binding_name, scope_ids)
         if generations:
-            control.wake_on_commit(conn, self.name)
+            control.wake_on_commit(conn, self.name, next(iter(generations)))
         return generations
 
     def request_many(self, conn: Connection, scope_ids: Iterable[str]) -> dict[str, int]:
@@ -131,7 +131,7 @@ class Family:
         control.check_publisher(conn)
         generations = intents.request_many(conn, self.binding_name, scope_ids)
         if generations:
-            control.wake_on_commit(conn, self.name)
+            control.wake_on_commit(conn, self.name, next(iter(generations)))
         return generations
 
     async def mark_dirty_many_async(

@@ -183,13 +183,18 @@ def check_publisher(conn: Connection) -> None:
         )
 
 
-def wake_on_commit(conn: Connection, family: str) -> None:
-    """Send a wake-up for ``family`` when ``conn``'s current transaction commits (SQLite only).
+def wake_on_commit(conn: Connection, family: str, scope_id: str = "") -> None:
+    """Send a wake-up for ``family`` when ``conn``'s current transaction commits: a datagram to
+    the SQLite host's control socket, or on MySQL a nudge to the family's leaders naming one
+    Scope the transaction wrote (``apsup.supervisor.nudge``).
 
     One listener pair per Connection; the families pending for its transaction are kept here
     and forgotten on rollback.
     """
     if conn.dialect.name != "sqlite":
+        from apsup.supervisor.nudge import nudge_on_commit
+
+        nudge_on_commit(conn, family, scope_id)
         return
     pending = _pending.get(conn)
     if pending is None:

@@ -28,11 +28,12 @@ from multiprocess.connection import wait
 
 from apsup.observability.logging import error_fields, exception_message
 from apsup.scheduling import Backoff
-from apsup.store import SqlBackend, membership, operator_state
+from apsup.store import SqlBackend, intents, membership, operator_state
 from apsup.store.leases import ModeConflictError, Term, new_holder_id
 from apsup.supervisor.control import ALL, ControlChannel
 from apsup.supervisor.drain import drain
 from apsup.supervisor.lease_keeper import LeaseKeeper, default_renew_deadline
+from apsup.supervisor.nudge import NudgeListener
 from apsup.supervisor.placement import Balancer
 from apsup.supervisor.startup import configuration_problem
 from apsup.supervisor.supervisor import Supervisor
@@ -157,6 +158,9 @@ class Host:
         self.balancer: Balancer | None = None
         #: How long a handover lets running Workers finish before it stops them.
         self.handoff_drain = 0.0
+        #: Elected backends: nudges from publishers on other processes and replicas
+        #: (``apsup.supervisor.nudge``); set by the runtime beside its HTTP listener.
+        self.nudges: NudgeListener | None = None
         self._handoff_until: dict[str, float] = {}
 
     # -- control ------------------------------------------------------------------------------
@@ -552,6 +556,8 @@ class Host:
         self._guarded("exits", self._deliver_exits)
         if self.control is not None:
             self._guarded("control", self._drain_control)
+        if self.nudges is not None and time.monotonic() >= self.nudges.quiet_until:
+            self._guarded("nudge", self._drain_nudges)
         now = time.monotonic()
         if self.elected and now >= self._next_poll:
             self._next_poll = now + self._next_poll_interval(now)
@@ -621,6 +627,29 @@ class Host:
         for sup in sups:
             sup.refresh_controls(controls)
 
+    def _drain_nudges(self) -> None:
+        """Nudges (family, Scope) from publishers: wait for each publisher's commit by locking
+        the Scope's intent row (it holds that lock until its COMMIT), then notify the family as
+        the poll would have; and poll fast for a while, as after any activity."""
+        assert self.nudges is not None
+        items = self.nudges.drain()
+        if not items:
+            return
+        sups = [sup for sup in self.supervisors if sup.established]
+        for family, scope in items:
+            for sup in sups:
+                fam = sup.families.get(family)
+                if fam is None:
+                    continue
+                if scope:
+                    with self.backend.transaction() as conn:  # waits for the publisher's COMMIT
+                        intents.get(conn, fam.binding_name, scope, for_update=True)
+                sup.notify(family)
+        now = time.monotonic()
+        self._last_activity = now
+        self._poll_interval = min(POLL_FAST_SECONDS, self.lease.poll_seconds)
+        self._next_poll = min(self._next_poll, now + self._poll_interval)
+
     def _deliver_exits(self) -> None:
         for ex in self.pool.poll():
             for sup in self.supervisors:
@@ -686,6 +715,12 @@ class Host:
             timeout = max_wait if timeout is None else min(timeout, max_wait)
         sentinels = self.pool.sentinels()
         objects: list[int] = [self._wake_r, *sentinels]
+        if self.nudges is not None:
+            quiet = self.nudges.quiet_until - time.monotonic()
+            if quiet > 0:  # a flood waits in the kernel; drained once per interval
+                timeout = quiet if timeout is None else min(timeout, quiet)
+            else:
+                objects.append(self.nudges.fileno())
         if self.control is not None:
             # While quiet, pending datagrams wait in the kernel: a flood costs one drain per
             # interval, not one loop iteration per datagram.

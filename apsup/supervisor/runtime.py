@@ -62,6 +62,7 @@ from apsup.store.leases import all_leases
 from apsup.supervisor.dedicated import DedicatedLauncher
 from apsup.supervisor.host import Host, LeasePolicy
 from apsup.supervisor.launcher import MODES, build_host
+from apsup.supervisor.nudge import NudgeListener
 from apsup.supervisor.placement import Balancer
 from apsup.supervisor.process import configure_logs, main_thread, signals
 from apsup.supervisor.startup import check_schema, needs_reference_tables
@@ -638,6 +639,14 @@ class Runtime:
             if bundle.control is not None and self.http_port is not None:
                 bundle.control.publish_listener(self.settings.http_host, self.http_port)
             host.member = _member(host, s, self.http_port)
+            if host.elected and self.http_port is not None:
+                try:  # publishers nudge the leaders here (``apsup.supervisor.nudge``)
+                    host.nudges = NudgeListener(s.http_host, self.http_port)
+                except OSError as exc:
+                    log.warning(
+                        "nudges not received: the poll alone finds requests",
+                        extra=error_fields(exc),
+                    )
             if mode == "dedicated" and host.elected:
                 host.balancer = Balancer(
                     replica_id=host.member.replica_id,
@@ -670,6 +679,8 @@ class Runtime:
             try:
                 host.shutdown()
             finally:
+                if host.nudges is not None:
+                    host.nudges.close()
                 bundle.close()
                 self._stop_http()
                 relay.close()
@@ -689,10 +700,21 @@ def _member(host: Host, s: Settings, port: int | None) -> membership.Member:
         version=__version__,
         role=s.role,
         mode=s.mode,
-        http_address=None if port is None else f"http://{_url_host(s.http_host)}:{port}",
+        http_address=None if port is None else f"http://{_advertised(s.http_host)}:{port}",
         started_at=now,
         last_seen=now,
     )
+
+
+def _advertised(host: str) -> str:
+    """The address others reach this host's listener at: the bind address, or for a wildcard
+    bind the address this machine's name resolves to (a pod's or container's own IP)."""
+    if host in ("0.0.0.0", "::", ""):
+        try:
+            host = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            host = "127.0.0.1"
+    return _url_host(host)
 
 
 def _url_host(host: str) -> str:
