@@ -39,7 +39,7 @@ if _PROBE:
 
     @event.listens_for(Engine, "before_cursor_execute")
     def _on_statement(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-        _log(" ".join(statement.split())[:300] or "?")  # one line per statement
+        _log(" ".join(statement.split())[:2000] or "?")  # one line per statement
 
 
 def _record(name: str, scope_id: str, ctx: ExecutionContext, *, clean: bool) -> None:
