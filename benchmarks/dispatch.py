@@ -509,8 +509,8 @@ def fork_floor_ms(n: int = 1000) -> float:
     return float(out.stdout.strip())
 
 
-#: Issue target: CPU per no-op invocation (all processes) at most this many fork floors.
-FLOOR_TARGET = 8.0
+#: Target: CPU per no-op invocation (all processes) at most this many bare-interpreter forks.
+FORK_FLOOR_TARGET = 8.0
 
 
 def floor_report(best: dict[tuple[str, int], Run], floor_ms: float) -> list[str]:
@@ -521,10 +521,10 @@ def floor_report(best: dict[tuple[str, int], Run], floor_ms: float) -> list[str]
         if label != SUPERVISED:
             continue
         ratio = run.cpu_ms / floor_ms
-        verdict = "ok" if ratio <= FLOOR_TARGET else f"ABOVE {FLOOR_TARGET:g}"
+        verdict = "ok" if ratio <= FORK_FLOOR_TARGET else f"ABOVE {FORK_FLOOR_TARGET:g}"
         lines.append(
             f"{workers} Workers: CPU per invocation {run.cpu_ms:.2f} ms = {ratio:.1f} x the fork "
-            f"floor (target <= {FLOOR_TARGET:g}: {verdict}); drain {run.per_second:.0f}/s"
+            f"floor (target <= {FORK_FLOOR_TARGET:g}: {verdict}); drain {run.per_second:.0f}/s"
         )
     return lines
 
