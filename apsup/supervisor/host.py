@@ -635,15 +635,21 @@ class Host:
         items = self.nudges.drain()
         if not items:
             return
-        sups = [sup for sup in self.supervisors if sup.established]
+        first: dict[str, str] = {}  # one barrier per family: the fast poll finds the others
         for family, scope in items:
+            first.setdefault(family, scope)
+        sups = [sup for sup in self.supervisors if sup.established]
+        for family, scope in first.items():
             for sup in sups:
                 fam = sup.families.get(family)
                 if fam is None:
                     continue
                 if scope:
-                    with self.backend.transaction() as conn:  # waits for the publisher's COMMIT
-                        intents.get(conn, fam.binding_name, scope, for_update=True)
+                    try:
+                        with self.backend.transaction() as conn:  # waits for its COMMIT
+                            intents.get(conn, fam.binding_name, scope, for_update=True)
+                    except Exception as exc:  # a bad or spoofed Scope: the poll still runs
+                        log.debug("nudge barrier failed", extra=error_fields(exc))
                 sup.notify(family)
         now = time.monotonic()
         self._last_activity = now

@@ -16,9 +16,9 @@ only makes that sooner. When ``request``/``mark_dirty`` run on a MySQL connectio
    found the request, and the poll runs fast for a few seconds (more requests tend to follow).
 
 Datagrams are not authenticated: anyone who can reach the port can make a leader lock one
-intent row and read one request page, at most ``DRAIN_LIMIT`` per ``MIN_INTERVAL``. They change
-no state. A nudge that is lost, late or spoofed costs at most that; a request whose nudge never
-arrives is found by the poll as before.
+intent row and read one request page per family it leads, at most once per ``MIN_INTERVAL``.
+They change no state. A nudge that is lost, late or spoofed costs at most that; a request
+whose nudge never arrives is found by the poll as before.
 """
 
 from __future__ import annotations
