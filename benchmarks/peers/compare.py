@@ -23,7 +23,8 @@ process pool). Servers: ``benchmarks/peers/setup.sh``; packages: ``pip install -
     .venv/bin/python benchmarks/peers/compare.py [--n 300] [--rounds 3] [--rate 50]
         [--systems apsup-sqlite,celery-reused,...] [--seekdb | --mysql URL]
 
-Prints the table and the #15 targets, writes ``benchmarks/results/peers.md`` and ``peers.png``.
+Prints the table and the targets (#15's, and #26's against Celery's fresh process per task),
+writes ``benchmarks/results/peers.md`` and ``peers.png``.
 """
 
 from __future__ import annotations
@@ -568,6 +569,27 @@ def main(argv: list[str] | None = None) -> int:
                 f"target drain >= 20x Celery fresh process per task at {c}: "
                 f"{us['rate']:.0f}/s vs {fresh['rate']:.1f}/s = {r:.1f}x "
                 f"{'met' if r >= 20 else 'NOT met'}"
+            )
+
+    # Restated against the floor of a process per invocation (issue #26): apsup's CPU per task
+    # over Celery's with a fresh process per task, and the drain ratio to it per round.
+    for base in ("apsup-sqlite", "apsup-mysql"):
+        for c in levels:
+            us, fresh = summary.get((base, c)), summary.get(("celery-fresh", c))
+            if not (us and fresh):
+                continue
+            r = us["cpu"] / fresh["cpu"]
+            verdicts.append(
+                f"target {base} CPU per task <= 0.15 x Celery fresh process per task at {c}: "
+                f"{us['cpu']:.1f} ms vs {fresh['cpu']:.1f} ms = {r:.3f} "
+                f"{'met' if r <= 0.15 else 'NOT met'}"
+            )
+            ours = results.get((base, "drain", c), [])
+            theirs = results.get(("celery-fresh", "drain", c), [])
+            rounds = [a.rate / b.rate for a, b in zip(ours, theirs, strict=False) if b.rate > 0]
+            verdicts.append(
+                f"{base} drain / Celery fresh process at {c}, per round: "
+                + ", ".join(f"{x:.1f}" for x in rounds)
             )
 
     settings = server_settings(args.redis, args.postgres, systems)
