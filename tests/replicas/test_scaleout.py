@@ -8,7 +8,8 @@ while a steady stream of requests runs over all four families. Asserted, as an o
 - **balance**: after each membership change the placement is the rendezvous rule's for the live
   replicas (1 -> 3 replicas: 2/1/1) within 3 x (Lease + renew);
 - **stickiness**: a replica that leaves and comes back with the same id gets back exactly the
-  families it had, and no family moves more than once per membership change (no ping-pong);
+  families it had, and no family moves more than once per membership change (no ping-pong;
+  one leave/come-back cycle in CI, ten with ``APSUP_SOAK=1``);
 - **graceful leave** (SIGTERM): its families are released, not left to expire: each is led
   again within a poll or two of its release, far sooner than a Lease;
 - **kill -9**: its families are led again within Lease + renew + 1 s, by the replica the rule
@@ -22,6 +23,7 @@ while a steady stream of requests runs over all four families. Asserted, as an o
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import signal
 import threading
@@ -41,14 +43,17 @@ from tests.replicas import families
 from tests.replicas.cluster import Cluster, Replica
 from tests.replicas.support import http_get, wait_for
 
-pytestmark = [pytest.mark.mysql_only, pytest.mark.timeout(420)]
-
 LEASE, RENEW, DEADLINE, POLL = 3.0, 1.0, 2.0, 0.5
 FAMILIES = sorted(f.name for f in families.scale_registry)
 KEYS = [f"artifact:{f}" for f in FAMILIES]
 #: Balance follows a membership change within this (the issue's bound).
 BALANCE_BOUND = 3 * (LEASE + RENEW)
 TAKEOVER_BOUND = LEASE + RENEW + 1.0
+SOAK = os.environ.get("APSUP_SOAK", "").strip().lower() in {"1", "true", "yes", "on"}
+#: Leave/come-back cycles of one replica (CI: one; ``APSUP_SOAK=1``: ten).
+FLAPS = 10 if SOAK else 1
+
+pytestmark = [pytest.mark.mysql_only, pytest.mark.soak, pytest.mark.timeout(1800 if SOAK else 420)]
 
 
 @dataclass
@@ -267,27 +272,38 @@ def test_families_spread_move_once_and_come_back(cluster: PartitionCluster) -> N
         joined = w.moves(t_first)
         assert all(n <= 2 for n in joined.values()), joined  # two joins: at most one move each
 
-        # Graceful leave: SIGTERM rep-c; its families released and taken at once.
-        t_leave = time.monotonic()
-        c_keys = [k for k in KEYS if w.current[k] == "rep-c"]
-        assert c.stop(cr) == 0
-        took_leave = _wait_placement(w, {"rep-a", "rep-b"}, t_leave, "after rep-c left")
-        gaps = [w.led_again(k, t_leave) for k in c_keys]
-        # Released on SIGTERM after its drain (<= 2 s), then claimed within a renewal or two:
-        # far below the Lease a kill leaves behind (drain + Lease).
-        assert all(g is not None and g < 2.0 + LEASE for g in gaps), gaps
-        time.sleep(1.0)
-        left = w.moves(t_leave)
-        assert all(n <= 1 for n in left.values()), left
+        # Flapping membership: rep-c leaves (SIGTERM) and comes back with the same id, FLAPS
+        # times. Each change moves a family at most once, and the same set always gives the
+        # same placement (sticky).
+        gaps_seen: list[float] = []
+        leave_times: list[float] = []
+        moves_seen: list[dict[str, int]] = []
+        for _ in range(FLAPS):
+            # Graceful leave: its families released and taken at once.
+            t_leave = time.monotonic()
+            c_keys = [k for k in KEYS if w.current[k] == "rep-c"]
+            assert c.stop(cr) == 0
+            leave_times.append(_wait_placement(w, {"rep-a", "rep-b"}, t_leave, "rep-c left"))
+            gaps = [w.led_again(k, t_leave) for k in c_keys]
+            # Released on SIGTERM after its drain (<= 2 s), then claimed within a renewal or
+            # two: far below the Lease a kill leaves behind (drain + Lease).
+            assert all(g is not None and g < 2.0 + LEASE for g in gaps), gaps
+            gaps_seen += [g for g in gaps if g is not None]
+            time.sleep(1.0)
+            left = w.moves(t_leave)
+            assert all(n <= 1 for n in left.values()), left
+            moves_seen.append(left)
 
-        # Comes back with the same id: exactly its families again (sticky), one move each.
-        t_back = time.monotonic()
-        _start(c, "rep-c")
-        _wait_placement(w, {"rep-a", "rep-b", "rep-c"}, _joined(c, "rep-c"), "rep-c came back")
-        assert w.placement() == three
-        time.sleep(1.0)
-        back = w.moves(t_back)
-        assert all(n <= 1 for n in back.values()), back
+            # Comes back with the same id: exactly its families again, one move each.
+            t_back = time.monotonic()
+            cr = _start(c, "rep-c")
+            _wait_placement(w, {"rep-a", "rep-b", "rep-c"}, _joined(c, "rep-c"), "rep-c back")
+            assert w.placement() == three
+            time.sleep(1.0)
+            back = w.moves(t_back)
+            assert all(n <= 1 for n in back.values()), back
+            moves_seen.append(back)
+        took_leave = max(leave_times)
 
         # kill -9 rep-b: its families led again within Lease + renew + 1 s, by the survivors
         # the rule names, each moving once.
@@ -304,10 +320,11 @@ def test_families_spread_move_once_and_come_back(cluster: PartitionCluster) -> N
         assert all(n <= 1 for n in killed.values()), killed
         _check_data(c, stream)
         print(
-            f"join balanced in {took:.2f}s; leave balanced in {took_leave:.2f}s "
-            f"(gaps {[round(g or 0, 2) for g in gaps]}); moves join {joined} leave {left} "
-            f"back {back} kill {killed} (led again after {kill_times}); "
-            f"{stream.accepted} requests"
+            f"join balanced in {took:.2f}s; {FLAPS} leave/back cycles: leave balanced within "
+            f"{took_leave:.2f}s, led again {min(gaps_seen):.2f}-{max(gaps_seen):.2f}s after "
+            f"the SIGTERM, max moves per family per change "
+            f"{max(max(m.values()) for m in moves_seen)}; moves join {joined} kill {killed} "
+            f"(led again after {kill_times}); {stream.accepted} requests"
         )
         assert a.alive()
     finally:
