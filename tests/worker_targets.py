@@ -281,3 +281,24 @@ def loop_state(payload: bytes) -> int:
     inherited = child._loop is not None or getattr(policy_loop, "_loop", None) is not None
     _write(_args(payload)["path"], f"inherited={inherited}")
     return 0
+
+
+def report_fork(payload: bytes) -> int:
+    """Write how the zygote forked this Worker and that the interpreter works after it: the
+    fork kind, a draw from ``random`` (reseeded per Worker), a thread started and joined, and
+    what the preloaded at-fork probe module (if any) saw run in this process."""
+    import threading
+
+    from apsup.workers import zygote
+
+    box: list[int] = []
+    thread = threading.Thread(target=lambda: box.append(threading.get_ident()))
+    thread.start()
+    thread.join(10)
+    probe = sys.modules.get("apsup_test_fork_probe")
+    hook_ran = getattr(probe, "ran_in_child", None)
+    _write(
+        _args(payload)["path"],
+        f"{zygote.forked_lean} {random.random()!r} {len(box)} {hook_ran} {os.getpid()}",
+    )
+    return 0

@@ -28,6 +28,7 @@ ends it, and the pool tells why), then serves.
 
 from __future__ import annotations
 
+import _signal
 import contextlib
 import os
 import selectors
@@ -41,10 +42,14 @@ import threading
 import time
 from typing import NoReturn
 
+from apsup.workers import fork
+
 _SIGNED = struct.Struct("q")
 _HEADER = struct.Struct("!ddI")  # timeout, grace, len(target)
 #: The zygote's command: ``-c`` (not ``-m``, which would run a second copy of this module).
 _BOOT = "import sys; from apsup.workers.zygote import main; main(sys.argv[1:])"
+#: In a Worker: whether the zygote forked it with libc's ``fork()`` (``apsup.workers.fork``).
+forked_lean: bool | None = None
 
 
 def write_signed(fd: int, n: int) -> None:
@@ -177,14 +182,18 @@ def _recv_launch(conn: socket.socket) -> tuple[bytes, list[int]]:
     return b"".join(chunks), list(fds)
 
 
-def _run_child(message: bytes, hold_w: int, unused: list[int]) -> NoReturn:
+def _run_child(message: bytes, hold_w: int, unused: list[int], lean: bool) -> NoReturn:
+    global forked_lean
+    forked_lean = lean
     code = 1
     try:
         for fd in unused:
-            with contextlib.suppress(OSError):
+            try:  # noqa: SIM105 - suppress() is three cold calls per fd in a fresh Worker
                 os.close(fd)
+            except OSError:
+                pass
         signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        _signal.signal(signal.SIGCHLD, _signal.SIG_DFL)  # see apsup.workers.child.main
         timeout, grace, size = _HEADER.unpack_from(message)
         start = _HEADER.size
         target = message[start : start + size].decode()
@@ -244,12 +253,13 @@ def serve(listener_fd: int, alive_r: int) -> None:
                         os.close(fd)
                     continue
                 status_w, hold_w = fds
-                pid = os.fork()
+                pid, lean = fork.fork()
                 if pid == 0:
                     _run_child(
                         message,
                         hold_w,
                         [listener_fd, alive_r, sig_r, sig_w, status_w, *status_of.values()],
+                        lean,
                     )
                 os.close(hold_w)
                 try:
@@ -263,6 +273,7 @@ def serve(listener_fd: int, alive_r: int) -> None:
 def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     listener_fd, alive_r, *preload = argv
+    fork.watch_hooks()  # before the preloads: a hook of theirs rules out the lean fork
     for name in preload:
         # An ImportError is reported by the pool's probe launch, with what to do about it.
         with contextlib.suppress(ImportError):
