@@ -11,6 +11,7 @@ import dataclasses
 import importlib
 import inspect
 import re
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -293,7 +294,7 @@ def resolve_entry_point(entry_point: str, expect: Family | None = None) -> Famil
             "importable module (not __main__ or inside a function)"
         )
     try:
-        obj: Any = importlib.import_module(module_name)
+        obj: Any = sys.modules.get(module_name) or importlib.import_module(module_name)
         for part in qualname.split("."):
             obj = getattr(obj, part)
     except (ImportError, AttributeError) as exc:

@@ -23,6 +23,7 @@ Where the timers are unavailable (not Linux/glibc), nothing is armed and only th
 
 from __future__ import annotations
 
+import _signal
 import contextlib
 import ctypes
 import math
@@ -148,8 +149,8 @@ def arm(timeout: float | None, grace: float) -> bool:
     if first >= _MAX_SECONDS:
         return False
     _armed = True
-    if signal.getsignal(DEADLINE_SIGNAL) is not _on_deadline:
-        signal.signal(DEADLINE_SIGNAL, _on_deadline)
+    if _signal.getsignal(DEADLINE_SIGNAL) is not _on_deadline:  # no enum conversion
+        _signal.signal(DEADLINE_SIGNAL, _on_deadline)
     if not _GRACEFUL.arm(first, grace):
         return False
     return _HARD.arm(first + grace + HARD_STOP_MARGIN, 0.0)

@@ -63,7 +63,7 @@ def run(payload: bytes) -> int:
         if ctx.already_handled():
             return ExitCode.SUCCESS
         result = fam.processor(ctx.scope_id, ctx)
-        if inspect.isawaitable(result):
+        if result is not None and inspect.isawaitable(result):  # None: no ABC walk
             from apsup.workers.child import run_coroutine  # preloaded: no import cost here
 
             run_coroutine(_run_async(result))
