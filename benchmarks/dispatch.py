@@ -211,11 +211,12 @@ def install_family_module(folder: Path) -> None:
 
 
 def host_preload(url: str) -> list[str]:
-    """What ``build_host`` preloads for this family, so both forkservers fork the same image."""
+    """What ``build_host`` preloads for the sync no-op family (no async engine: no ``async def``
+    processor), so the raw and floor forkservers fork the same image as its Supervisor's."""
     from apsup.store import worker_preload
     from apsup.workers.invoke import TARGET
 
-    return [FAMILY_MODULE, TARGET.split(":", 1)[0], *worker_preload(url)]
+    return [FAMILY_MODULE, TARGET.split(":", 1)[0], *worker_preload(url, asynchronous=False)]
 
 
 def host_image_pool(url: str):  # type: ignore[no-untyped-def]

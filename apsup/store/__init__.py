@@ -80,10 +80,13 @@ def connect(url: str) -> Engine:
     return open_backend(url).engine
 
 
-def worker_preload(url: str) -> list[str]:
+def worker_preload(url: str, *, asynchronous: bool = True) -> list[str]:
     """Modules a Worker imports to open the backend of ``url`` (apsup backend module, SQLAlchemy
     dialect, DBAPI driver), for the forkserver to import once instead of every Worker: the
-    SQLite dialect and ``sqlite3`` alone cost 20-40 ms per launch on a 2-core machine."""
+    SQLite dialect and ``sqlite3`` alone cost 20-40 ms per launch on a 2-core machine.
+
+    ``asynchronous``: also the async engine and driver (``fenced_async``), which only
+    ``async def`` processors use: 5 MB of image that every fork copies page tables for."""
     kind = backend_kind(url)
     dialect = make_url(url).get_dialect()
     modules = [f"apsup.store.{kind}", dialect.__module__]
@@ -91,6 +94,8 @@ def worker_preload(url: str) -> list[str]:
         modules.append(dialect.import_dbapi().__name__)
     # ``fenced_async()`` (async processors): imports only, ~150 ms per Worker otherwise. No loop,
     # connection or thread is created by importing them; those are made in each Worker.
+    if not asynchronous:
+        return modules
     from apsup.store.async_engine import async_url
 
     driver = {"sqlite": "aiosqlite", "mysql": "aiomysql"}[kind]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import os
 import tempfile
@@ -169,10 +170,12 @@ def build_host(
             control = ControlChannel(database_url)
             _warn_if_shared(database_url)
         # Everything a Worker imports is preloaded by the forkserver once: the families, the
-        # invoke wrapper and the backend's dialect + driver (otherwise each launch imports them).
+        # invoke wrapper and the backend's dialect + driver (otherwise each launch imports them),
+        # and the async engine if an ``async def`` processor may use it.
+        asynchronous = any(inspect.iscoroutinefunction(f.processor) for f in families)
+        preload = worker_preload(database_url, asynchronous=asynchronous)
         modules = sorted(
-            {f.entry_point.split(":", 1)[0] for f in families}
-            | {TARGET.split(":", 1)[0], *worker_preload(database_url)}
+            {f.entry_point.split(":", 1)[0] for f in families} | {TARGET.split(":", 1)[0], *preload}
         )
         pool = _start_pool_retrying([*modules, WARM_MODULE], database_url, grace_seconds, stopping)
     except BaseException:
