@@ -60,11 +60,10 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal
 
-from multiprocess import connection
-
 from apsup.errors import ConfigError, WorkerStartError
 from apsup.observability.logging import redact
 from apsup.workers.exit_codes import ExitCode, describe
+from apsup.workers.fds import readable
 from apsup.workers.zygote import Zygote, read_signed
 
 __all__ = ["ForkServerStuck", "WorkerExit", "WorkerHandle", "WorkerPool", "WorkerState"]
@@ -326,7 +325,7 @@ class WorkerPool:
     """Worker processes of one host process: launch, deadlines, termination, confirmed exits.
 
     Not thread-safe: one owner (the Supervisor loop) drives it. The owner waits with
-    ``multiprocess.connection.wait(pool.sentinels() + [wakeup_fd], timeout)`` where the timeout
+    ``apsup.workers.fds.readable(pool.sentinels() + [wakeup_fd], timeout)`` where the timeout
     comes from :meth:`next_deadline`, then calls :meth:`poll`.
     """
 
@@ -449,7 +448,7 @@ class WorkerPool:
             remaining = end - time.monotonic()
             if remaining <= 0:
                 break
-            connection.wait(self.sentinels(), min(remaining, 0.5))
+            readable(self.sentinels(), min(remaining, 0.5))
             exits.extend(e for e in self._collect() if e.worker_id in worker_ids)
         return exits
 
@@ -537,7 +536,7 @@ class WorkerPool:
         while handle.state == "launching":
             remaining = handle.deadline - time.monotonic()
             if remaining > 0:
-                ready = connection.wait([handle.sentinel], remaining)
+                ready = readable([handle.sentinel], remaining)
                 if ready and self._complete(handle) is False:
                     self._drop_launch(handle)
                     raise EOFError("the forkserver closed the launch's pipe before its pid")
@@ -557,7 +556,7 @@ class WorkerPool:
         # child it forked without reporting reports itself on the hold pipe.
         done: bool | None = None
         for _ in range(2):
-            if not connection.wait([h.sentinel], 1.0):
+            if not readable([h.sentinel], 1.0):
                 break
             done = self._complete(h)
             if done is not None:
@@ -829,7 +828,7 @@ class WorkerPool:
             # No pid within the grace: stop the forkserver so that it forks none of them later.
             self._stop_forkserver(timeout=0)
             for h in launching:
-                if not (connection.wait([h.sentinel], 1.0) and self._complete(h)):
+                if not (readable([h.sentinel], 1.0) and self._complete(h)):
                     if h.orphan and h.hold is not None and not _readable(h.hold):
                         continue  # a Worker may run: it stays, unconfirmed, below
                     exits.append(self._launch_failed(h, "ForkServerStuck", None))
@@ -851,7 +850,7 @@ class WorkerPool:
             remaining = until - time.monotonic()
             if not sentinels or remaining <= 0:
                 return exits
-            connection.wait(sentinels, remaining)
+            readable(sentinels, remaining)
 
     # --- internals ---------------------------------------------------------------------------
 
@@ -864,7 +863,7 @@ class WorkerPool:
         live = [h for h in self._handles.values() if not h.status_lost and not h.adopted]
         if not live:
             return exits
-        ready = set(connection.wait([h.sentinel for h in live], 0))
+        ready = set(readable([h.sentinel for h in live], 0))
         for h in live:
             if h.state == "launching":
                 if h.sentinel in ready:

@@ -24,8 +24,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from types import FrameType
 
-from multiprocess.connection import wait
-
 from apsup.observability.logging import error_fields, exception_message
 from apsup.scheduling import Backoff
 from apsup.store import SqlBackend, intents, membership, operator_state
@@ -37,6 +35,7 @@ from apsup.supervisor.nudge import NudgeListener
 from apsup.supervisor.placement import Balancer
 from apsup.supervisor.startup import configuration_problem
 from apsup.supervisor.supervisor import Supervisor
+from apsup.workers.fds import readable
 from apsup.workers.pool import WorkerPool
 
 log = logging.getLogger("apsup.host")
@@ -321,7 +320,7 @@ class Host:
             remaining = deadline - time.monotonic()
             if not live or remaining <= 0:
                 return
-            wait([h.sentinel for h in live], min(0.05, remaining))
+            readable([h.sentinel for h in live], min(0.05, remaining))
 
     def _release(self, sup: Supervisor, reason: str) -> None:
         term = sup.term
@@ -738,7 +737,7 @@ class Host:
         end = None if timeout is None else time.monotonic() + timeout
         # A launched Worker's pid arriving needs no cycle: the pool reads it and the wait goes
         # on (with its deadline now among the pool's), until anything else is ready.
-        while (ready := wait(objects, timeout)) and self._settled(ready):
+        while (ready := readable(objects, timeout)) and self._settled(ready):
             due = self.pool.next_deadline()
             now = time.monotonic()
             timeout = None if end is None else max(0.0, end - now)
