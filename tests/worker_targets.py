@@ -302,3 +302,12 @@ def report_fork(payload: bytes) -> int:
         f"{zygote.forked_lean} {random.random()!r} {len(box)} {hook_ran} {os.getpid()}",
     )
     return 0
+
+
+def report_modules(payload: bytes) -> int:
+    """Write which of the payload's module names this Worker has imported (inherited from the
+    zygote's image: this target imports nothing)."""
+    args = _args(payload)
+    present = [name for name in args["modules"] if name in sys.modules]
+    _write(args["path"], " ".join(present) or "-")
+    return 0
