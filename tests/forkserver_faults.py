@@ -1,9 +1,10 @@
 """Faults injected inside a Worker forkserver, for the launch-path regression tests.
 
 Preloaded by the forkserver (the tests name it in the pool's preload list or import it from a
-family module). When ``APSUP_TEST_FORK_FAULTS`` names a folder, this module wraps ``os.fork`` in
-the forkserver process (never in the host: the host imports it only without the variable, or
-through a family module whose import happens before the variable matters). A file in that
+family module). When ``APSUP_TEST_FORK_FAULTS`` names a folder, this module wraps the
+forkserver's fork (``apsup.workers.fork.fork``) in the forkserver process (never in the host:
+the host imports it only without the variable, or through a family module whose import happens
+before the variable matters). A file in that
 folder arms one fault, consumed when it fires:
 
 - ``fail-next-fork``: the next fork raises ``OSError(EAGAIN)`` (a kernel that refuses a fork;
@@ -30,17 +31,21 @@ def _armed(folder: str, name: str) -> bool:
 
 
 def install(folder: str) -> None:
-    real_fork = os.fork
+    # The zygote forks through ``apsup.workers.fork.fork`` (libc's fork() or os.fork()): the
+    # faults wrap that, whichever of the two it uses.
+    from apsup.workers import fork as forking
 
-    def fork() -> int:
+    real_fork = forking.fork
+
+    def fork() -> tuple[int, bool]:
         if _armed(folder, "fail-next-fork"):
             raise OSError(errno.EAGAIN, "injected: fork refused")
-        pid = real_fork()
+        pid, lean = real_fork()
         if pid != 0 and _armed(folder, "die-after-fork"):
             os.kill(os.getpid(), signal.SIGKILL)
-        return pid
+        return pid, lean
 
-    os.fork = fork
+    forking.fork = fork
 
 
 def _in_forkserver() -> bool:
