@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -354,12 +355,10 @@ def test_dsn_password_is_never_printed(
         # A real user with a password: the full view, and a wrong-password failure.
         admin = request.getfixturevalue("mysql_url_admin")
         database = make_url(db_url).database
-        user = f"st_{os.getpid() % 100000}"
         conn = _admin_conn(admin)
+        user = _create_user(conn, SECRET)
         try:
             with conn.cursor() as cur:
-                cur.execute(f"DROP USER IF EXISTS '{user}'@'%'")
-                cur.execute(f"CREATE USER '{user}'@'%' IDENTIFIED BY '{SECRET}'")
                 cur.execute(f"GRANT ALL PRIVILEGES ON `{database}`.* TO '{user}'@'%'")
             with_pw = make_url(db_url).set(username=user, password=SECRET)
             good = with_pw.render_as_string(hide_password=False)
@@ -382,6 +381,27 @@ def test_dsn_password_is_never_printed(
         assert SECRET not in out and SECRET not in err
         assert (out if want == 0 else err).strip()
     assert "cannot read mysql+pymysql://127.0.0.1:" in results[0][2]
+
+
+def _create_user(conn: Any, password: str) -> str:
+    """A fresh user under a name never used before on this server.
+
+    Reusing a name (``DROP USER IF EXISTS`` then ``CREATE USER``) failed once on seekdb with
+    error 1396: the drop had not yet reached the schema the create was checked against.
+    """
+    import pymysql
+
+    for attempt in range(5):
+        user = f"st_{uuid.uuid4().hex[:12]}"
+        try:
+            with conn.cursor() as cur:
+                cur.execute(f"CREATE USER '{user}'@'%' IDENTIFIED BY '{password}'")
+            return user
+        except pymysql.err.OperationalError as exc:
+            if exc.args[0] != 1396 or attempt == 4:
+                raise
+            time.sleep(0.2 * (attempt + 1))
+    raise AssertionError("unreachable")
 
 
 def _admin_conn(admin_url: str) -> Any:
