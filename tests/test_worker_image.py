@@ -59,7 +59,14 @@ def test_forkserver_image_is_frozen_and_the_host_is_not(db_url: str, tmp_path: P
     assert gc.get_freeze_count() == 0
 
 
-HOST_ONLY = ["multiprocess", "apsup.workers.pool", "prometheus_client", "http.server"]
+HOST_ONLY = [
+    "multiprocess",
+    "apsup.workers.pool",
+    "apsup.workers.launches",
+    "apsup.workers.processes",
+    "prometheus_client",
+    "http.server",
+]
 ASYNC_ENGINE = ["apsup.store.async_engine", "aiosqlite"]
 
 

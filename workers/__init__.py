@@ -1,6 +1,8 @@
-"""Worker process side (installed as ``apsup.workers``): launching through a preloaded
-forkserver, timeouts, termination and confirmed exits (``pool``), the child bootstrap
-(``child``) and the exit-code contract (``exit_codes``)."""
+"""Worker process side (installed as ``apsup.workers``): the launcher (``zygote``, a
+pre-warmed process that forks one Worker per message), the pool's accounting of capacity,
+timeouts, termination and confirmed exits (``pool``, over ``launches``, ``processes`` and
+``handles``), the child bootstrap (``child``, ``invoke``) and the exit-code contract
+(``exit_codes``)."""
 
 from __future__ import annotations
 

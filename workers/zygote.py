@@ -20,7 +20,7 @@ The zygote exits when the host closes the *alive* pipe (the host stopped, or die
 nothing more; Workers it forked keep running under their own deadlines.
 
 Started as ``python -c <boot> LISTEN_FD ALIVE_FD MODULE...`` with SIGINT ignored from its
-first instruction (``pool._sigint_ignored``): the interpreter's default ``sys.path`` with
+first instruction (``_sigint_ignored``): the interpreter's default ``sys.path`` with
 ``PYTHONPATH`` and the working directory, like any fresh process. It imports the preload
 modules (an ``ImportError`` is left for the pool's probe to report; any other error at import
 ends it, and the pool tells why), then serves.
@@ -40,6 +40,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from typing import NoReturn
 
 from apsup.workers import fork
@@ -73,6 +74,28 @@ def read_signed(fd: int) -> int:
 # -- host side ----------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """Start a forkserver that ignores SIGINT from its first instruction. A terminal's Ctrl-C
+    reaches the whole process group; a forkserver that ignored SIGINT only after its preload
+    imports died of a Ctrl-C during them (a ``KeyboardInterrupt`` traceback, and a stop that
+    looked like a configuration error). An ignored signal stays ignored across
+    fork and exec, and Python installs its own SIGINT handler only where it starts with the
+    default one. Meanwhile this process keeps SIGINT blocked, not ignored: one that arrives then
+    stays pending and reaches the restored handler. Main thread only (elsewhere Python cannot
+    change handlers, and the terminal's SIGINT is the main thread's application's business)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
 class Zygote:
     """The host's handle on its zygote process (one per pool)."""
 
@@ -88,8 +111,6 @@ class Zygote:
     def start(self) -> None:
         """Start a zygote (the caller knows none runs). Its socket listens before it exists,
         so launches sent while it imports its preload modules wait in the backlog."""
-        from apsup.workers.pool import _sigint_ignored
-
         self._dir = tempfile.mkdtemp(prefix="apsup-zygote-")
         address = os.path.join(self._dir, "launch.sock")
         alive_r, alive_w = os.pipe()
