@@ -46,9 +46,13 @@ threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
 """
 
 
-def _launch_reports(db_url: str, extra: list[str], report: Path, count: int) -> list[list[str]]:
+def _launch_reports(
+    db_url: str, extra: list[str], report: Path, count: int, notes: list[str | None] | None = None
+) -> list[list[str]]:
     modules = [TARGET.split(":", 1)[0], TARGETS, *extra, *worker_preload(db_url), WARM_MODULE]
     pool = _start_pool(modules, db_url, grace_seconds=5.0)
+    if notes is not None:
+        notes.append(pool.fork_note)
     payload = orjson.dumps({"path": str(report)})
     try:
         for i in range(count):
@@ -65,7 +69,9 @@ def _launch_reports(db_url: str, extra: list[str], report: Path, count: int) -> 
 def test_workers_of_the_prepared_image_are_forked_lean_and_work(
     db_url: str, tmp_path: Path
 ) -> None:
-    rows = _launch_reports(db_url, [], tmp_path / "fork.txt", 4)
+    notes: list[str | None] = []
+    rows = _launch_reports(db_url, [], tmp_path / "fork.txt", 4, notes)
+    assert notes == [None], "the pool reports a reason where there is none"
     assert len(rows) == 4
     assert {row[0] for row in rows} == {"True"}, "the zygote did not use the lean fork"
     assert len({row[1] for row in rows}) == 4, "Workers share one random state"
@@ -79,9 +85,57 @@ def test_a_preload_that_needs_os_fork_gets_it(
 ) -> None:
     (tmp_path / "apsup_test_fork_probe.py").write_text(source)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    rows = _launch_reports(db_url, ["apsup_test_fork_probe"], tmp_path / "fork.txt", 3)
+    notes: list[str | None] = []
+    rows = _launch_reports(db_url, ["apsup_test_fork_probe"], tmp_path / "fork.txt", 3, notes)
+    # The operator is told why (``build_host`` logs it): the module by name, or the threads.
+    want = "apsup_test_fork_probe registered" if source is HOOK_MODULE else "runs 2 threads"
+    assert notes[0] is not None and want in notes[0], notes
     assert len(rows) == 3
     assert {row[0] for row in rows} == {"False"}, "the zygote forked lean anyway"
     expected = "True" if source is HOOK_MODULE else "thread"
     assert {row[3] for row in rows} == {expected}, "the module's at-fork hook did not run"
     assert len({row[1] for row in rows}) == 3
+
+
+HOOKED_FAMILY = """
+import os
+
+from apsup.registry import Registry, family
+
+registry = Registry()
+os.register_at_fork(after_in_child=lambda: None)
+
+
+@family("hooked", max_workers=1, timeout=30, registry=registry)
+def hooked(scope_id, ctx):
+    return None
+"""
+
+
+def test_the_host_says_why_its_workers_do_not_fork_lean(
+    db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import importlib
+    import sys
+
+    from apsup.store import migrate
+    from apsup.supervisor.launcher import build_host
+    from tests.replicas import families
+
+    migrate(db_url)
+    (tmp_path / "apsup_test_hooked_family.py").write_text(HOOKED_FAMILY)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    hooked = importlib.import_module("apsup_test_hooked_family").hooked
+    try:
+        for fams, warned in ((list(families.registry), False), ([hooked], True)):
+            caplog.clear()
+            with caplog.at_level("WARNING", logger="apsup.launcher"):
+                build_host(db_url, fams, shutdown_grace=2.0).close()
+            said = [r for r in caplog.records if "lean fork" in r.getMessage()]
+            assert len(said) == int(warned), [r.getMessage() for r in caplog.records]
+            if warned:
+                assert "apsup_test_hooked_family" in said[0].reason  # type: ignore[attr-defined]
+                assert "authoring-families" in said[0].fix  # type: ignore[attr-defined]
+    finally:
+        sys.modules.pop("apsup_test_hooked_family", None)

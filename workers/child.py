@@ -281,5 +281,24 @@ def probe_preload(payload: bytes) -> int:
     report_path, *modules = payload.decode().split("\n")
     missing = [name for name in modules if name and name not in sys.modules]
     with open(report_path, "w", encoding="utf-8") as fh:
-        fh.write("\n".join(missing))
+        fh.write("\n".join([_fork_note(), *missing]))
     return ExitCode.BAD_CONTEXT if missing else ExitCode.SUCCESS
+
+
+def _fork_note() -> str:
+    """How the zygote forked this probe (the first line of its report): empty when lean or
+    when the platform has no lean fork; else why not, for the host to tell the operator."""
+    from apsup.workers import fork, zygote
+
+    if zygote.forked_lean is not False or fork._libc_fork is None:
+        return ""
+    if fork.foreign_hooks:
+        hooks = ", ".join(sorted(set(fork.foreign_hooks)))
+        return f"module(s) {hooks} registered os.register_at_fork hooks"
+    try:
+        threads = len(os.listdir(f"/proc/{os.getppid()}/task"))
+    except OSError:
+        threads = 0
+    if threads > 1:
+        return f"the forkserver runs {threads} threads (a preload module started a thread)"
+    return "the forkserver could not use the lean fork"

@@ -133,6 +133,10 @@ class WorkerPool:
         #: also reap them (monotonic time after which we stop trying).
         self._reap_groups: dict[int, float] = {}
         self.subreaper = become_subreaper()
+        #: Why the zygote forks Workers with ``os.fork()`` instead of its lean fork
+        #: (``apsup.workers.fork``), as its startup probe found; None when lean (or no lean
+        #: fork exists on this platform).
+        self.fork_note: str | None = None
         with _active_lock:
             if _active is not None:
                 owner_pid, other = _active
@@ -196,7 +200,9 @@ class WorkerPool:
                 ) from exc
             exits = self._wait_for({handle.worker_id}, self.start_timeout + self.grace_seconds)
             with open(report, encoding="utf-8") as fh:
-                missing = [line for line in fh.read().splitlines() if line]
+                note, *rest = fh.read().split("\n")
+            missing = [line for line in rest if line]
+            self.fork_note = note or None
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(report)
