@@ -46,6 +46,7 @@ from typing import Any, NoReturn
 from apsup.errors import ContextError, ProgressConflict, StaleTermError
 from apsup.workers import deadline
 from apsup.workers.exit_codes import MAX_TARGET_EXIT_CODE, ExitCode
+from apsup.workers.fds import write_signed
 
 Target = Callable[[bytes], Any]
 
@@ -182,9 +183,10 @@ def run(target: str, payload: bytes) -> int:
         return ExitCode.BAD_CONTEXT
     try:
         result = fn(payload)
-        # ``async def`` target: run it, never drop it. An int is the common answer:
-        # ``isawaitable`` would walk the ABC registry, cold in a fresh Worker.
-        if type(result) is not int and inspect.isawaitable(result):
+        # ``async def`` target: run it, never drop it. An int (an ``ExitCode`` too) is the
+        # common answer: ``isawaitable`` would walk the ABC registry, cold in a fresh Worker
+        # (66 copied pages and 0.17 ms for an ``ExitCode``, before this checked ``isinstance``).
+        if not isinstance(result, int) and inspect.isawaitable(result):
             result = run_coroutine(result)
     except WorkerTerminated:
         return ExitCode.TERMINATED
@@ -257,8 +259,6 @@ def _report_pid(hold_fd: int | None) -> None:
     when no process of this launch is left (``apsup.workers.pool``). A launch made without one
     (by hand) has nothing to report to."""
     if hold_fd is not None:
-        from apsup.workers.zygote import write_signed
-
         try:  # noqa: SIM105 - as above
             write_signed(hold_fd, os.getpid())
         except OSError:

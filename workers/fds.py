@@ -1,4 +1,5 @@
-"""Waiting on file descriptors: one ``poll(2)``, no selector objects.
+"""Waiting on file descriptors (one ``poll(2)``, no selector objects), and the 8-byte integers
+the launch pipes carry (a Worker's pid, its exit status).
 
 ``multiprocess.connection.wait`` (the host's wait before this) builds a ``selectors`` selector
 and a key object per fd on every call; the host waits several times per invocation over
@@ -8,7 +9,9 @@ every Worker's sentinel, and that was a tenth of its CPU per invocation at 8 Wor
 from __future__ import annotations
 
 import math
+import os
 import select
+import struct
 from collections.abc import Iterable
 
 
@@ -20,3 +23,24 @@ def readable(fds: Iterable[int], timeout: float | None) -> list[int]:
         poller.register(fd, select.POLLIN)
     ms = None if timeout is None else max(0, math.ceil(timeout * 1000))
     return [fd for fd, _ in poller.poll(ms)]
+
+
+_SIGNED = struct.Struct("q")
+
+
+def write_signed(fd: int, n: int) -> None:
+    data = _SIGNED.pack(n)
+    while data:
+        written = os.write(fd, data)
+        data = data[written:]
+
+
+def read_signed(fd: int) -> int:
+    """The next 8-byte integer from ``fd``; ``EOFError`` at end of file."""
+    data = b""
+    while len(data) < _SIGNED.size:
+        chunk = os.read(fd, _SIGNED.size - len(data))
+        if not chunk:
+            raise EOFError("end of file before an integer")
+        data += chunk
+    return int(_SIGNED.unpack(data)[0])

@@ -17,9 +17,9 @@ import sys
 import time
 
 from apsup.observability.logging import redact
+from apsup.workers.fds import read_signed
 from apsup.workers.handles import FORKSERVER_EOF_EXITCODE, WorkerHandle
 from apsup.workers.processes import close_pidfd, has_input, open_pidfd, signal_group
-from apsup.workers.zygote import read_signed
 
 
 def complete(h: WorkerHandle) -> bool | None:

@@ -43,32 +43,14 @@ import time
 from collections.abc import Iterator
 from typing import NoReturn
 
-from apsup.workers import fork
+from apsup.workers import child, fork
+from apsup.workers.fds import write_signed
 
-_SIGNED = struct.Struct("q")
 _HEADER = struct.Struct("!ddI")  # timeout, grace, len(target)
 #: The zygote's command: ``-c`` (not ``-m``, which would run a second copy of this module).
 _BOOT = "import sys; from apsup.workers.zygote import main; main(sys.argv[1:])"
 #: In a Worker: whether the zygote forked it with libc's ``fork()`` (``apsup.workers.fork``).
 forked_lean: bool | None = None
-
-
-def write_signed(fd: int, n: int) -> None:
-    data = _SIGNED.pack(n)
-    while data:
-        written = os.write(fd, data)
-        data = data[written:]
-
-
-def read_signed(fd: int) -> int:
-    """The next 8-byte integer from ``fd``; ``EOFError`` at end of file."""
-    data = b""
-    while len(data) < _SIGNED.size:
-        chunk = os.read(fd, _SIGNED.size - len(data))
-        if not chunk:
-            raise EOFError("end of file before an integer")
-        data += chunk
-    return int(_SIGNED.unpack(data)[0])
 
 
 # -- host side ----------------------------------------------------------------------------------
@@ -219,9 +201,7 @@ def _run_child(message: bytes, hold_w: int, unused: list[int], lean: bool) -> No
         start = _HEADER.size
         target = message[start : start + size].decode()
         payload = message[start + size :]
-        from apsup.workers.child import main as child_main
-
-        child_main(target, payload, timeout, grace, hold_fd=hold_w)
+        child.main(target, payload, timeout, grace, hold_fd=hold_w)
     except BaseException:
         with contextlib.suppress(Exception):
             sys.excepthook(*sys.exc_info())
