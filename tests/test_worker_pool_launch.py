@@ -257,3 +257,25 @@ def test_host_fails_a_launch_the_wedged_forkserver_never_forks_and_retries_it(
             os.kill(fs_pid, signal.SIGCONT)
         host.shutdown()
         bundle.close()
+
+
+def test_payloads_of_any_length_arrive_intact(pool: WorkerPool, tmp_path: Path) -> None:
+    """A launch longer than one record of the zygote's channel continues in the records that
+    follow; launches sent back to back do not mix."""
+    import hashlib
+
+    from apsup.workers.zygote import _HEADER, _RECORD
+
+    edge = _RECORD - _HEADER.size - len(f"{T}:payload_digest")
+    sizes = [0, 1, edge - 1, edge, edge + 1, 3 * _RECORD + 17, 1 << 20]
+    report = tmp_path / "digests.txt"
+    blobs = [
+        os.urandom(size - len(str(report)) - 1) if size > 100 else os.urandom(size)
+        for size in sizes
+    ]
+    for i, blob in enumerate(blobs):
+        pool.submit(f"w{i}", f"{T}:payload_digest", str(report).encode() + b"\n" + blob, LIMIT)
+    exits = drive(pool, {f"w{i}" for i in range(len(blobs))})
+    assert {ex.exitcode for ex in exits.values()} == {0}
+    got = sorted(report.read_text().splitlines())
+    assert got == sorted(f"{len(b)} {hashlib.sha256(b).hexdigest()}" for b in blobs)

@@ -41,6 +41,15 @@ def ok(payload: bytes) -> int:
     return 0
 
 
+def payload_digest(payload: bytes) -> int:
+    """Payload: a report path, a newline, then any bytes: append their length and SHA-256."""
+    import hashlib
+
+    path, _, data = payload.partition(b"\n")
+    _write(path.decode(), f"{len(data)} {hashlib.sha256(data).hexdigest()}")
+    return 0
+
+
 def report_gc_freeze(payload: bytes) -> int:
     """Write this Worker's frozen-object count (inherited from the forkserver), its pid, its
     thread count and whether an event loop is set (both inherited from the forkserver's warm-up,

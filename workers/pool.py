@@ -372,7 +372,7 @@ class WorkerPool:
             status_r = self._zygote.send(
                 target, payload, float(timeout), self.grace_seconds, hold_w, pid_timeout
             )
-        except TimeoutError as exc:  # its listen queue is full: wedged
+        except TimeoutError as exc:  # its channel stays full: wedged
             os.close(hold_r)
             self._stop_forkserver(timeout=0)
             raise ForkServerStuck(f"forkserver did not accept within {pid_timeout:g}s") from exc

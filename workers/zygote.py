@@ -6,20 +6,24 @@ host probed a resource tracker that Workers never use: 3-5 ms of CPU per invocat
 the fork itself. Here a launch is one message and the child calls the Worker's entry point
 directly.
 
-Protocol (per launch, host -> zygote): the host connects to the zygote's Unix socket and sends
-``header | target | payload`` with two fds attached (``SCM_RIGHTS``): the write end of the
-launch's *status pipe* and the write end of its *hold pipe*, then closes the connection. The
+Protocol (per launch, host -> zygote): one message on the launch *channel*, a
+``SOCK_SEQPACKET`` socket pair made when the zygote starts: ``header | target | payload`` with
+two fds attached (``SCM_RIGHTS``): the write end of the launch's *status pipe* and the write end
+of its *hold pipe* (a launch longer than one record continues in the records that follow). The
 zygote forks; the child runs :func:`apsup.workers.child.main` with the hold fd (it writes its
 own pid there first and keeps it open for life); the zygote writes the child's pid into the
 status pipe, and later, when it has reaped the child (``SIGCHLD``), its exit code
 (``waitstatus_to_exitcode``), then closes it. The host reads both from the status pipe's read
 end (``apsup.workers.pool``): the pid, and the exit status that confirms the exit. EOF without
-a status means the zygote died; the pool then adopts the Worker as its subreaper.
+a status means the zygote died; the pool then adopts the Worker as its subreaper. One socket for
+all launches, rather than a connection per launch, spares both processes a socket, a connect,
+an accept and two closes per Worker: in the zygote, every object that work touches is a page
+copied again while young Workers share its memory.
 
-The zygote exits when the host closes the *alive* pipe (the host stopped, or died): it forks
-nothing more; Workers it forked keep running under their own deadlines.
+The zygote exits when the host closes the *alive* pipe or the channel (the host stopped, or
+died): it forks nothing more; Workers it forked keep running under their own deadlines.
 
-Started as ``python -c <boot> LISTEN_FD ALIVE_FD MODULE...`` with SIGINT ignored from its
+Started as ``python -c <boot> CHANNEL_FD ALIVE_FD MODULE...`` with SIGINT ignored from its
 first instruction (``_sigint_ignored``): the interpreter's default ``sys.path`` with
 ``PYTHONPATH`` and the working directory, like any fresh process. It imports the preload
 modules (an ``ImportError`` is left for the pool's probe to report; any other error at import
@@ -29,15 +33,15 @@ ends it, and the pool tells why), then serves.
 from __future__ import annotations
 
 import _signal
+import array
 import contextlib
 import os
-import selectors
+import select
 import signal
 import socket
 import struct
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -46,7 +50,11 @@ from typing import NoReturn
 from apsup.workers import child, fork
 from apsup.workers.fds import write_signed
 
-_HEADER = struct.Struct("!ddI")  # timeout, grace, len(target)
+_HEADER = struct.Struct("!ddII")  # timeout, grace, len(target), len(payload)
+#: Largest record on the launch channel; a longer launch continues in further records.
+_RECORD = 1 << 15
+#: Room for the two fds a launch carries.
+_ANCILLARY = socket.CMSG_LEN(2 * 4)
 #: The zygote's command: ``-c`` (not ``-m``, which would run a second copy of this module).
 _BOOT = "import sys; from apsup.workers.zygote import main; main(sys.argv[1:])"
 #: In a Worker: whether the zygote forked it with libc's ``fork()`` (``apsup.workers.fork``).
@@ -84,36 +92,33 @@ class Zygote:
     def __init__(self, preload: list[str]) -> None:
         self.preload = list(preload)
         self.pid: int | None = None
-        self.address: str | None = None
         self.alive_w: int | None = None
+        self._channel: socket.socket | None = None
         self._proc: subprocess.Popen[bytes] | None = None
-        self._dir: str | None = None
         self.lock = threading.Lock()
 
     def start(self) -> None:
-        """Start a zygote (the caller knows none runs). Its socket listens before it exists,
-        so launches sent while it imports its preload modules wait in the backlog."""
-        self._dir = tempfile.mkdtemp(prefix="apsup-zygote-")
-        address = os.path.join(self._dir, "launch.sock")
+        """Start a zygote (the caller knows none runs). Its end of the launch channel exists
+        before it does, so launches sent while it imports its preload modules wait in the
+        channel's buffer."""
+        host_end, zygote_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         alive_r, alive_w = os.pipe()
         try:
-            with socket.socket(socket.AF_UNIX) as listener:
-                listener.bind(address)
-                os.chmod(address, 0o600)
-                listener.listen(128)
-                cmd = [sys.executable, "-c", _BOOT, str(listener.fileno()), str(alive_r)]
-                with _sigint_ignored():
-                    self._proc = subprocess.Popen(
-                        [*cmd, *self.preload],
-                        pass_fds=(listener.fileno(), alive_r),
-                        stdin=subprocess.DEVNULL,
-                    )
+            cmd = [sys.executable, "-c", _BOOT, str(zygote_end.fileno()), str(alive_r)]
+            with _sigint_ignored():
+                self._proc = subprocess.Popen(
+                    [*cmd, *self.preload],
+                    pass_fds=(zygote_end.fileno(), alive_r),
+                    stdin=subprocess.DEVNULL,
+                )
         except BaseException:
             os.close(alive_w)
+            host_end.close()
             raise
         finally:
             os.close(alive_r)
-        self.pid, self.address, self.alive_w = self._proc.pid, address, alive_w
+            zygote_end.close()
+        self.pid, self.alive_w, self._channel = self._proc.pid, alive_w, host_end
 
     def send(
         self,
@@ -122,20 +127,21 @@ class Zygote:
         timeout: float,
         grace: float,
         hold_w: int,
-        connect_timeout: float,
+        send_timeout: float,
     ) -> int:
-        """Send one launch; returns the read end of its status pipe."""
-        assert self.address is not None
+        """Send one launch; returns the read end of its status pipe. ``TimeoutError`` if the
+        channel stays full for ``send_timeout`` (the zygote does not read: wedged)."""
+        channel = self._channel
+        assert channel is not None
         status_r, status_w = os.pipe()
         try:
-            head = _HEADER.pack(timeout, grace, len(target.encode())) + target.encode()
-            with socket.socket(socket.AF_UNIX) as client:
-                client.settimeout(connect_timeout)
-                client.connect(self.address)
-                sent = socket.send_fds(client, [head], [status_w, hold_w])
-                if sent < len(head):
-                    client.sendall(head[sent:])
-                client.sendall(payload)
+            name = target.encode()
+            message = _HEADER.pack(timeout, grace, len(name), len(payload)) + name + payload
+            channel.settimeout(send_timeout)
+            fds = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", (status_w, hold_w)))]
+            channel.sendmsg([message[:_RECORD]], fds, socket.MSG_NOSIGNAL)
+            for at in range(_RECORD, len(message), _RECORD):
+                channel.sendmsg([message[at : at + _RECORD]], [], socket.MSG_NOSIGNAL)
             return status_r
         except BaseException:
             os.close(status_r)
@@ -144,13 +150,16 @@ class Zygote:
             os.close(status_w)
 
     def stop(self, timeout: float) -> None:
-        """Close the alive pipe (the zygote exits), wait up to ``timeout``, then kill it. It is
-        our direct child: its pid is safe to signal until we reap it here."""
+        """Close the alive pipe and the channel (the zygote exits), wait up to ``timeout``, then
+        kill it. It is our direct child: its pid is safe to signal until we reap it here."""
         pid = self.pid
         if self.alive_w is not None:
             with contextlib.suppress(OSError):
                 os.close(self.alive_w)
             self.alive_w = None
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
         if pid is not None:
             end = time.monotonic() + timeout
             try:
@@ -164,25 +173,32 @@ class Zygote:
                 pass
             if self._proc is not None:
                 self._proc.returncode = 0  # reaped above: Popen must not wait for it again
-        if self.address is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(self.address)
-        if self._dir is not None:
-            with contextlib.suppress(OSError):
-                os.rmdir(self._dir)
-        self.pid = self.address = self._dir = None
+        self.pid = None
         self._proc = None
 
 
 # -- zygote side --------------------------------------------------------------------------------
 
 
-def _recv_launch(conn: socket.socket) -> tuple[bytes, list[int]]:
-    data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 16, 2)
-    chunks = [data]
-    while chunk := conn.recv(1 << 16):
-        chunks.append(chunk)
-    return b"".join(chunks), list(fds)
+def _recv_launch(channel: socket.socket) -> tuple[bytes, list[int]] | None:
+    """The next launch on the channel: its message and the fds it carries; None once the host
+    has closed the channel."""
+    data, ancillary, _flags, _addr = channel.recvmsg(_RECORD, _ANCILLARY)
+    if not data:
+        return None
+    fds: list[int] = []
+    for level, kind, raw in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds += array.array("i", raw[: len(raw) - len(raw) % 4])
+    if len(data) >= _HEADER.size:
+        _timeout, _grace, name, size = _HEADER.unpack_from(data)
+        total = _HEADER.size + name + size
+        while len(data) < total:  # the rest follows at once, record by record
+            more = channel.recv(_RECORD)
+            if not more:
+                break
+            data += more
+    return data, fds
 
 
 def _run_child(message: bytes, hold_w: int, unused: list[int], lean: bool) -> NoReturn:
@@ -197,7 +213,7 @@ def _run_child(message: bytes, hold_w: int, unused: list[int], lean: bool) -> No
                 pass
         signal.set_wakeup_fd(-1)
         _signal.signal(signal.SIGCHLD, _signal.SIG_DFL)  # see apsup.workers.child.main
-        timeout, grace, size = _HEADER.unpack_from(message)
+        timeout, grace, size, _payload_size = _HEADER.unpack_from(message)
         start = _HEADER.size
         target = message[start : start + size].decode()
         payload = message[start + size :]
@@ -210,7 +226,12 @@ def _run_child(message: bytes, hold_w: int, unused: list[int], lean: bool) -> No
         os._exit(code)
 
 
-def serve(listener_fd: int, alive_r: int) -> None:
+def serve(channel_fd: int, alive_r: int) -> None:
+    """Fork one Worker per launch until the host closes the alive pipe or the channel.
+
+    One ``poll`` object and one ``recvmsg`` per launch: everything the zygote writes between
+    two forks is a page copied again (the young Workers still share it), so its loop stays
+    small."""
     sig_r, sig_w = os.pipe()
     os.set_blocking(sig_r, False)
     os.set_blocking(sig_w, False)
@@ -218,12 +239,12 @@ def serve(listener_fd: int, alive_r: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.set_wakeup_fd(sig_w)
     status_of: dict[int, int] = {}  # child pid -> write end of its status pipe
-    with socket.socket(fileno=listener_fd) as listener, selectors.DefaultSelector() as sel:
-        sel.register(listener, selectors.EVENT_READ)
-        sel.register(alive_r, selectors.EVENT_READ)
-        sel.register(sig_r, selectors.EVENT_READ)
+    poller = select.poll()
+    for watched in (channel_fd, alive_r, sig_r):
+        poller.register(watched, select.POLLIN)
+    with socket.socket(fileno=channel_fd) as channel:
         while True:
-            ready = {key.fileobj for key, _ in sel.select()}
+            ready = [fd for fd, _ in poller.poll()]
             if alive_r in ready:
                 return  # the host is gone or stopped us: fork nothing more
             if sig_r in ready:
@@ -242,38 +263,40 @@ def serve(listener_fd: int, alive_r: int) -> None:
                         with contextlib.suppress(OSError):
                             write_signed(fd, os.waitstatus_to_exitcode(status))
                         os.close(fd)
-            if listener in ready:
-                conn, _ = listener.accept()
-                with conn:
-                    try:
-                        message, fds = _recv_launch(conn)
-                    except OSError:
-                        continue
-                if len(fds) != 2:
-                    for fd in fds:
-                        os.close(fd)
-                    continue
-                status_w, hold_w = fds
-                pid, lean = fork.fork()
-                if pid == 0:
-                    _run_child(
-                        message,
-                        hold_w,
-                        [listener_fd, alive_r, sig_r, sig_w, status_w, *status_of.values()],
-                        lean,
-                    )
-                os.close(hold_w)
-                try:
-                    write_signed(status_w, pid)
-                except OSError:
-                    os.close(status_w)  # the host gave up on this launch
-                    continue
-                status_of[pid] = status_w
+            if channel_fd not in ready:
+                continue
+            try:
+                launch = _recv_launch(channel)
+            except OSError:
+                continue
+            if launch is None:
+                return  # the host closed the channel: fork nothing more
+            message, fds = launch
+            if len(fds) != 2 or len(message) < _HEADER.size:
+                for fd in fds:
+                    os.close(fd)
+                continue
+            status_w, hold_w = fds
+            pid, lean = fork.fork()
+            if pid == 0:
+                _run_child(
+                    message,
+                    hold_w,
+                    [channel_fd, alive_r, sig_r, sig_w, status_w, *status_of.values()],
+                    lean,
+                )
+            os.close(hold_w)
+            try:
+                write_signed(status_w, pid)
+            except OSError:
+                os.close(status_w)  # the host gave up on this launch
+                continue
+            status_of[pid] = status_w
 
 
 def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    listener_fd, alive_r, *preload = argv
+    channel_fd, alive_r, *preload = argv
     fork.watch_hooks()  # before the preloads: a hook of theirs rules out the lean fork
     for name in preload:
         # An ImportError is reported by the pool's probe launch, with what to do about it.
@@ -283,7 +306,7 @@ def main(argv: list[str]) -> None:
         fd = os.open(os.devnull, os.O_RDONLY)
         os.dup2(fd, 0)
         os.close(fd)
-    serve(int(listener_fd), int(alive_r))
+    serve(int(channel_fd), int(alive_r))
 
 
 if __name__ == "__main__":
