@@ -67,6 +67,10 @@ _sigterms = 0
 _loop: asyncio.AbstractEventLoop | None = None
 _main_task: asyncio.Task[Any] | None = None
 _cancelled_by_sigterm = False
+#: The fds the host passed with this Worker's launch (``WorkerPool.submit(fds=...)``), in
+#: order; the Supervisor passes the Worker's log streams: records, stdout, stderr
+#: (``apsup.observability.worker_logs``). Empty when none were passed.
+launch_fds: tuple[int, ...] = ()
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -222,13 +226,16 @@ def main(
     timeout: float | None = None,
     grace: float = 5.0,
     hold_fd: int | None = None,
+    extra_fds: tuple[int, ...] = (),
 ) -> NoReturn:
     """Worker entry point (runs in the forked child): isolate, install signals, run, exit.
 
     ``timeout``/``grace``: the pool's deadline for this Worker and its SIGTERM-to-SIGKILL grace,
     armed here as the Worker's own backstop (``None``: only the host enforces a deadline).
-    ``hold_fd``: the launch's hold pipe (``apsup.workers.zygote``)."""
-    global _finished_code
+    ``hold_fd``: the launch's hold pipe (``apsup.workers.zygote``). ``extra_fds``: what the
+    launch passed for the target (kept in :data:`launch_fds`)."""
+    global _finished_code, launch_fds
+    launch_fds = extra_fds
     # PermissionError: already a group leader (e.g. run by hand); nothing to detach from.
     try:  # noqa: SIM105 - suppress() is three more cold calls per Worker
         os.setsid()

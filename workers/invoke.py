@@ -23,6 +23,7 @@ from apsup.observability import tracing, worker_logs
 from apsup.observability.logging import exception_message
 from apsup.registry import resolve_entry_point
 from apsup.store.storage import storage_error_kind
+from apsup.workers import child
 from apsup.workers.exit_codes import STORAGE_EXIT_CODES, ExitCode
 
 TARGET = "apsup.workers.invoke:run"
@@ -55,7 +56,9 @@ def run(payload: bytes) -> int:
         return ExitCode.BAD_CONTEXT
     for key, value in ctx.settings.items():  # not update(): its Mapping check costs a Worker
         os.environ[key] = value  # ~0.2 ms of first-use work
-    worker_logs.attach(ctx)  # logging, print and stderr join the host's log stream
+    # Logging, print and stderr join the host's log stream, on the sockets that came with the
+    # launch (``child.launch_fds``) when the host passed them.
+    worker_logs.attach(ctx, streams=child.launch_fds)
     tracing.attach_context(ctx.trace_context)  # the processor's spans nest under the host's
     try:
         fam = resolve_entry_point(ctx.entry_point)

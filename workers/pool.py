@@ -289,7 +289,14 @@ class WorkerPool:
         """
         return self._launch(worker_id, target, payload, timeout, pid_timeout=self.launch_timeout)
 
-    def submit(self, worker_id: str, target: str, payload: bytes, timeout: float) -> WorkerHandle:
+    def submit(
+        self,
+        worker_id: str,
+        target: str,
+        payload: bytes,
+        timeout: float,
+        fds: tuple[int, ...] = (),
+    ) -> WorkerHandle:
         """Send a launch to the forkserver and return at once, before the fork.
 
         The handle is ``"launching"`` (``pid`` 0) and holds capacity like a running Worker. Its
@@ -300,9 +307,12 @@ class WorkerPool:
         restarts it), :meth:`poll` kills it like :meth:`launch` does and reports the launch as a
         :class:`WorkerExit` with ``launch_error="ForkServerStuck"``; a forkserver that dies
         first gives ``launch_error="EOFError"``. Bad arguments raise at once, as in
-        :meth:`launch`.
+        :meth:`launch`. ``fds`` (at most 8) are passed to the Worker with the launch
+        (``apsup.workers.child.launch_fds``); the caller keeps and closes its own copies.
         """
-        return self._submit(worker_id, target, payload, timeout, self.launch_timeout)
+        if len(fds) > 8:
+            raise ValueError("at most 8 fds travel with a launch")
+        return self._submit(worker_id, target, payload, timeout, self.launch_timeout, fds)
 
     def _launch(
         self, worker_id: str, target: str, payload: bytes, timeout: float, *, pid_timeout: float
@@ -344,7 +354,13 @@ class WorkerPool:
         return False
 
     def _submit(
-        self, worker_id: str, target: str, payload: bytes, timeout: float, pid_timeout: float
+        self,
+        worker_id: str,
+        target: str,
+        payload: bytes,
+        timeout: float,
+        pid_timeout: float,
+        fds: tuple[int, ...] = (),
     ) -> WorkerHandle:
         if self._closed:
             raise RuntimeError("WorkerPool is closed")
@@ -370,7 +386,7 @@ class WorkerPool:
             # The deadline travels too: the Worker stops itself if no host is left to
             # (``apsup.workers.deadline``).
             status_r = self._zygote.send(
-                target, payload, float(timeout), self.grace_seconds, hold_w, pid_timeout
+                target, payload, float(timeout), self.grace_seconds, hold_w, pid_timeout, fds
             )
         except TimeoutError as exc:  # its channel stays full: wedged
             os.close(hold_r)

@@ -53,8 +53,10 @@ from apsup.workers.fds import write_signed
 _HEADER = struct.Struct("!ddII")  # timeout, grace, len(target), len(payload)
 #: Largest record on the launch channel; a longer launch continues in further records.
 _RECORD = 1 << 15
-#: Room for the two fds a launch carries.
-_ANCILLARY = socket.CMSG_LEN(2 * 4)
+#: Most fds one launch carries: its status and hold pipes, then up to 8 for the Worker itself
+#: (``apsup.workers.child.launch_fds``: the host's log streams).
+_MAX_FDS = 2 + 8
+_ANCILLARY = socket.CMSG_SPACE(_MAX_FDS * 4)
 #: The zygote's command: ``-c`` (not ``-m``, which would run a second copy of this module).
 _BOOT = "import sys; from apsup.workers.zygote import main; main(sys.argv[1:])"
 #: In a Worker: whether the zygote forked it with libc's ``fork()`` (``apsup.workers.fork``).
@@ -128,9 +130,11 @@ class Zygote:
         grace: float,
         hold_w: int,
         send_timeout: float,
+        extra_fds: tuple[int, ...] = (),
     ) -> int:
         """Send one launch; returns the read end of its status pipe. ``TimeoutError`` if the
-        channel stays full for ``send_timeout`` (the zygote does not read: wedged)."""
+        channel stays full for ``send_timeout`` (the zygote does not read: wedged).
+        ``extra_fds`` go to the Worker (``child.launch_fds``); the caller keeps its copies."""
         channel = self._channel
         assert channel is not None
         status_r, status_w = os.pipe()
@@ -138,7 +142,13 @@ class Zygote:
             name = target.encode()
             message = _HEADER.pack(timeout, grace, len(name), len(payload)) + name + payload
             channel.settimeout(send_timeout)
-            fds = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", (status_w, hold_w)))]
+            fds = [
+                (
+                    socket.SOL_SOCKET,
+                    socket.SCM_RIGHTS,
+                    array.array("i", (status_w, hold_w, *extra_fds)),
+                )
+            ]
             channel.sendmsg([message[:_RECORD]], fds, socket.MSG_NOSIGNAL)
             for at in range(_RECORD, len(message), _RECORD):
                 channel.sendmsg([message[at : at + _RECORD]], [], socket.MSG_NOSIGNAL)
@@ -201,7 +211,9 @@ def _recv_launch(channel: socket.socket) -> tuple[bytes, list[int]] | None:
     return data, fds
 
 
-def _run_child(message: bytes, hold_w: int, unused: list[int], lean: bool) -> NoReturn:
+def _run_child(
+    message: bytes, hold_w: int, extra: list[int], unused: list[int], lean: bool
+) -> NoReturn:
     global forked_lean
     forked_lean = lean
     code = 1
@@ -217,7 +229,7 @@ def _run_child(message: bytes, hold_w: int, unused: list[int], lean: bool) -> No
         start = _HEADER.size
         target = message[start : start + size].decode()
         payload = message[start + size :]
-        child.main(target, payload, timeout, grace, hold_fd=hold_w)
+        child.main(target, payload, timeout, grace, hold_fd=hold_w, extra_fds=tuple(extra))
     except BaseException:
         with contextlib.suppress(Exception):
             sys.excepthook(*sys.exc_info())
@@ -272,20 +284,22 @@ def serve(channel_fd: int, alive_r: int) -> None:
             if launch is None:
                 return  # the host closed the channel: fork nothing more
             message, fds = launch
-            if len(fds) != 2 or len(message) < _HEADER.size:
+            if not 2 <= len(fds) <= _MAX_FDS or len(message) < _HEADER.size:
                 for fd in fds:
                     os.close(fd)
                 continue
-            status_w, hold_w = fds
+            status_w, hold_w, *extra = fds
             pid, lean = fork.fork()
             if pid == 0:
                 _run_child(
                     message,
                     hold_w,
+                    extra,
                     [channel_fd, alive_r, sig_r, sig_w, status_w, *status_of.values()],
                     lean,
                 )
-            os.close(hold_w)
+            for fd in (hold_w, *extra):  # the Worker's now: no other Worker may inherit them
+                os.close(fd)
             try:
                 write_signed(status_w, pid)
             except OSError:

@@ -123,6 +123,9 @@ class MetricsHooks(Hooks):
         attrs = {f"apsup.{k}": v for k, v in fields.items() if k != "duration" and v is not None}
         return self.spans.start(worker_id, attrs)
 
+    def launch_streams(self, worker_id: str, fields: dict[str, Any]) -> tuple[int, ...]:
+        return () if self.relay is None else self.relay.open_streams(fields)
+
     def invocation_ended(self, worker_id: str, cause: str | None) -> None:
         if self.spans is not None:
             self.spans.end(worker_id, cause)

@@ -8,8 +8,10 @@ control event that stops everything of this Supervisor (RFC §1, §7, §8).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import os
 import random
 import signal
 import time
@@ -123,6 +125,12 @@ class Hooks:
     def invocation_started(self, worker_id: str, fields: dict[str, Any]) -> dict[str, str]:
         """Trace context for the Worker (tracing: ``apsup.observability.tracing``)."""
         return {}
+
+    def launch_streams(self, worker_id: str, fields: dict[str, Any]) -> tuple[int, ...]:
+        """Fds to pass with this Worker's launch: its log streams (records, stdout, stderr)
+        when the host relays them (``WorkerLogRelay.open_streams``); the Supervisor closes
+        its copies once the launch is sent. None by default."""
+        return ()
 
     def invocation_ended(self, worker_id: str, cause: str | None) -> None: ...
     def exit_details(self, worker_id: str, exitcode: int) -> dict[str, Any]:
@@ -553,16 +561,20 @@ class Supervisor:
             term.generation,
         )
         self.hooks.on_dispatch(d.family)
-        ctx.trace_context = self.hooks.invocation_started(
-            worker_id, _success_fields(self.running[worker_id], 0.0)
-        )
+        fields = _success_fields(self.running[worker_id], 0.0)
+        ctx.trace_context = self.hooks.invocation_started(worker_id, fields)
+        streams = self.hooks.launch_streams(worker_id, fields)
         try:
             # Sent, not waited for: the pool reads the pid when the forkserver reports it (the
             # host's wait set has its sentinel), so the loop goes on dispatching and handling
             # exits meanwhile; a launch that fails later comes back as an exit (``on_exit``).
-            self.pool.submit(worker_id, TARGET, ctx.to_bytes(), fam.timeout)
+            self.pool.submit(worker_id, TARGET, ctx.to_bytes(), fam.timeout, streams)
         except Exception as exc:
             self._launch_failed(self.running[worker_id], type(exc).__name__, exception_message(exc))
+        finally:
+            for fd in streams:  # the Worker has its own copies (or there is no Worker)
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
     def _launch_failed(self, inv: Invocation, error: str, message: str | None = None) -> None:
         """Nothing started: report a failed invocation so the key backs off and retries."""
