@@ -17,9 +17,9 @@ import sys
 import time
 
 from apsup.observability.logging import redact
-from apsup.workers.fds import read_signed
+from apsup.workers.fds import read_signed, readable
 from apsup.workers.handles import FORKSERVER_EOF_EXITCODE, WorkerHandle
-from apsup.workers.processes import close_pidfd, has_input, open_pidfd, signal_group
+from apsup.workers.processes import close_pidfd, open_pidfd, signal_group
 
 
 def complete(h: WorkerHandle) -> bool | None:
@@ -34,7 +34,7 @@ def complete(h: WorkerHandle) -> bool | None:
             pid = read_signed(h.sentinel)
         except (OSError, EOFError):
             h.orphan = True
-            if h.hold is None or not has_input(h.hold):
+            if h.hold is None or not readable([h.hold], 0):
                 return None if h.hold is not None else False
     if h.orphan:
         try:
@@ -49,7 +49,7 @@ def complete(h: WorkerHandle) -> bool | None:
     h.pid, h.state, h.started, h.deadline = pid, "running", started, started + h.timeout
     h._popen.pid = pid
     open_pidfd(h)
-    if has_input(h.sentinel):
+    if readable([h.sentinel], 0):
         # Its exit status is there already (or the forkserver is gone): read it now. A real
         # status means the forkserver reaped it, maybe before the pidfd was opened, so that
         # pidfd could name a process that reused the number: drop it.

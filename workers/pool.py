@@ -74,7 +74,6 @@ from apsup.workers.processes import (
     close_pidfd,
     forkserver_died,
     group_has_members,
-    has_input,
     is_alive_child,
     signal_group,
 )
@@ -557,7 +556,7 @@ class WorkerPool:
             self._stop_forkserver(timeout=0)
             for h in launching:
                 if not (readable([h.sentinel], 1.0) and complete(h)):
-                    if h.orphan and h.hold is not None and not has_input(h.hold):
+                    if h.orphan and h.hold is not None and not readable([h.hold], 0):
                         continue  # a Worker may run: it stays, unconfirmed, below
                     exits.append(self._launch_failed(h, "ForkServerStuck", None))
         now = time.monotonic()

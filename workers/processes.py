@@ -10,10 +10,10 @@ import contextlib
 import ctypes
 import errno
 import os
-import select
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 from apsup.workers.handles import WorkerHandle
 
@@ -26,13 +26,6 @@ _PR_SET_CHILD_SUBREAPER = 36
 _PIDFD_SIGNAL_PROCESS_GROUP = 4
 #: Cleared when the kernel refuses that flag; the pool then uses the older rules.
 _pidfd_groups = True
-
-
-def has_input(fd: int) -> bool:
-    """Whether ``fd`` has data or is at EOF, without blocking (``poll``: any fd number)."""
-    p = select.poll()
-    p.register(fd, select.POLLIN)
-    return bool(p.poll(0))
 
 
 def open_pidfd(h: WorkerHandle) -> None:
@@ -55,14 +48,19 @@ def close_pidfd(h: WorkerHandle) -> None:
             h.pidfd = None
 
 
-def pid_in_use(pid: int) -> bool:
+def _answers_signal_zero(send: Callable[[int, int], None], target: int) -> bool:
+    """Signal 0 to ``target``: whether it exists (one we may not signal exists too)."""
     try:
-        os.kill(pid, 0)
+        send(target, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
     return True
+
+
+def pid_in_use(pid: int) -> bool:
+    return _answers_signal_zero(os.kill, pid)
 
 
 def become_subreaper() -> bool:
@@ -88,13 +86,7 @@ def is_alive_child(pid: int | None) -> bool:
 
 def group_has_members(pgid: int) -> bool:
     """Whether process group ``pgid`` still has a member (a zombie counts), by signal 0."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return _answers_signal_zero(os.killpg, pgid)
 
 
 def forkserver_died(pid: int | None, settle: float = 1.0) -> bool:
