@@ -117,6 +117,12 @@ class ExecutionContext:
     #: W3C trace context of the host's invocation span (``traceparent``...), only with tracing
     #: (``apsup[otel]``); a processor's own spans nest under it.
     trace_context: dict[str, str] = field(default_factory=dict, repr=False)
+    #: Set by the Supervisor that dispatched this invocation: it found ``handled < G`` right
+    #: before the launch (the duplicate check), and it acknowledges G itself, fenced by the same
+    #: term, when the Worker exits with ``ExitCode.ACKNOWLEDGE``. A processor that returns
+    #: without acknowledging then needs no database session of its own. Off (the Worker checks
+    #: and acknowledges itself) for a context built by hand.
+    host_acknowledges: bool = field(default=False, repr=False)
     _ack_pending: Connection | AsyncConnection | None = field(default=None, repr=False, init=False)
     _fenced_conn: Connection | None = field(default=None, repr=False, init=False)
     _fenced_aconn: AsyncConnection | None = field(default=None, repr=False, init=False)
@@ -129,6 +135,8 @@ class ExecutionContext:
             data[name] = getattr(self, name)
         if self.trace_context:  # optional: absent without tracing
             data["trace_context"] = self.trace_context
+        if self.host_acknowledges:  # optional: absent in a context built by hand
+            data["host_acknowledges"] = True
         return orjson.dumps(data)
 
     @classmethod
@@ -150,6 +158,9 @@ class ExecutionContext:
             isinstance(k, str) and isinstance(v, str) for k, v in trace_context.items()
         ):
             raise ContextError("execution context trace_context must map strings to strings")
+        host_acknowledges = data.pop("host_acknowledges", False)
+        if not isinstance(host_acknowledges, bool):
+            raise ContextError("execution context field 'host_acknowledges' must be a boolean")
         missing = sorted(set(_TYPES) - set(data))
         unknown = sorted(set(data) - set(_TYPES))
         if missing or unknown:
@@ -166,7 +177,7 @@ class ExecutionContext:
         for name in ("binding_name", "artifact_family", "scope_id", "supervisor_key", "worker_id"):
             if not data[name]:
                 raise ContextError(f"execution context field {name!r} must not be empty")
-        return cls(**data, trace_context=trace_context)
+        return cls(**data, trace_context=trace_context, host_acknowledges=host_acknowledges)
 
     def __repr__(self) -> str:
         shown = ", ".join(

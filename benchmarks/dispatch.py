@@ -2,23 +2,25 @@
 
 For 2 and 8 concurrent Workers (the family's ``max_workers``) it accepts explicit requests for
 many Scopes on a fresh SQLite database, runs a real host (``build_host``: core decisions,
-discovery, dispatch reads, forkserver launch, the child's invoke wrapper with its duplicate check
-and fenced acknowledgment, exit classification) until every request is handled, and measures
-invocations/s, Worker-slot time per invocation (wall / invocations x Workers) and CPU per
-invocation of every process (the host, the forkserver with the Workers it reaped: ``getrusage``
-for this process, ``/proc/<pid>/stat`` for the others).
+discovery, the dispatch read that is the duplicate check, zygote launch, the child's invoke
+wrapper, the host's fenced acknowledgment of each invocation whose processor returned, exit
+classification) until every request is handled, and measures invocations/s, Worker-slot time
+per invocation (wall / invocations x Workers) and CPU per invocation of every process (the host,
+the zygote with the Workers it reaped: ``getrusage`` for this process, ``/proc/<pid>/stat`` for
+the others).
 
 The floor is the same machine's bare ``WorkerPool`` launch (``submit``: not waiting for the
-fork, like the Supervisor) whose child does the least any correct Worker must do, with no apsup
-code and no SQLAlchemy: open the SQLite file with the stdlib driver, ``BEGIN IMMEDIATE``, check
-the Lease row, raise ``handled_generation`` to G, commit with ``synchronous=FULL``. No Supervisor
-can beat it, so Supervisor/floor is the Supervisor's own overhead (target <= 1.3 at 2 and at 8
-Workers). The raw launch (a no-op target, no database) is shown for reference. The same
-supervised run also goes through an ``async def`` no-op family (the Worker runs it in its own
-event loop, then the wrapper acknowledges): its Worker-slot time over the sync family's is the
-async path's cost (target <= 1.2). A host with an async family preloads the async engine into
-the Worker image and one without does not, so the sync reference for that ratio is measured in a
-host that registers both families (same image): "no-op family, async image".
+fork, like the Supervisor) of a child that does nothing, plus the least any correct design must
+do per invocation besides the fresh process, with no apsup code and no SQLAlchemy: when the exit
+is confirmed, the parent commits one fenced acknowledgment on a stdlib ``sqlite3`` connection
+(``BEGIN IMMEDIATE``, check the Lease row, raise ``handled_generation`` to G, commit with
+``synchronous=FULL``). No Supervisor can beat it, so Supervisor/floor is the Supervisor's own
+overhead (target <= 1.3 at 2 and at 8 Workers). The raw launch (no database at all) is shown for
+reference. The same supervised run also goes through an ``async def`` no-op family (the Worker
+runs it in its own event loop): its Worker-slot time over the sync family's is the async path's
+cost (target <= 1.2). A host with an async family preloads the async engine into the Worker
+image and one without does not, so the sync reference for that ratio is measured in a host that
+registers both families (same image): "no-op family, async image".
 
 Shared machines are noisy: the five measurements alternate for ``--rounds`` rounds, the best
 round of each is kept, and the load average is printed beside the table. Every measurement stops
@@ -55,7 +57,8 @@ from multiprocess.connection import wait
 FAMILY_MODULE = "apsup_bench_dispatch_family"
 FAMILY_SOURCE = '''"""Stand-in family module for benchmarks/dispatch.py: a no-op processor.
 
-The Worker wrapper acknowledges each invocation in its final fenced transaction."""
+Under a Supervisor the Worker returns without a database session and the host acknowledges each
+invocation in a fenced transaction of its own."""
 import time
 
 from apsup.registry import Registry, family
@@ -71,31 +74,6 @@ def noop(scope_id, ctx):
 @family("bench-noop-async", max_workers=2, timeout=60, registry=registry)
 async def noop_async(scope_id, ctx):
     return None
-
-
-def floor_ack(payload):
-    """The protocol floor: one fenced acknowledgment with the stdlib driver, nothing else."""
-    import sqlite3
-
-    path, key, holder, term, binding, scope, generation, sequence = payload.decode().split("\\n")
-    conn = sqlite3.connect(path, timeout=30, isolation_level=None)
-    conn.execute("PRAGMA synchronous=FULL")
-    conn.execute("BEGIN IMMEDIATE")
-    lease = conn.execute(
-        "SELECT holder_id, supervisor_generation FROM pc_artifact_processing_leases"
-        " WHERE supervisor_key = ?",
-        (key,),
-    ).fetchone()
-    if lease != (holder, int(term)):
-        return 3
-    moved = conn.execute(
-        "UPDATE pc_artifact_processing_intents SET handled_generation = ?"
-        " WHERE binding_name = ? AND scope_id = ? AND pending_sequence = ?"
-        " AND handled_generation < ? AND requested_generation >= ?",
-        (int(generation), binding, scope, int(sequence), int(generation), int(generation)),
-    ).rowcount
-    conn.execute("COMMIT")
-    return 0 if moved == 1 else 1
 
 
 def phase_probe(payload):
@@ -125,6 +103,28 @@ def phase_probe(payload):
             fh.write(f"{name}={(t1 - t0) * 1000:.3f}\\n")
     return 0
 '''
+
+
+def floor_ack(conn, key, holder, term, binding, scope, generation, sequence):
+    """The protocol floor's acknowledgment: one fenced transaction with the stdlib driver,
+    nothing else (the parent runs it when the Worker's exit is confirmed)."""
+    conn.execute("BEGIN IMMEDIATE")
+    lease = conn.execute(
+        "SELECT holder_id, supervisor_generation FROM pc_artifact_processing_leases"
+        " WHERE supervisor_key = ?",
+        (key,),
+    ).fetchone()
+    if lease != (holder, term):
+        conn.execute("ROLLBACK")
+        return 3
+    moved = conn.execute(
+        "UPDATE pc_artifact_processing_intents SET handled_generation = ?"
+        " WHERE binding_name = ? AND scope_id = ? AND pending_sequence = ?"
+        " AND handled_generation < ? AND requested_generation >= ?",
+        (generation, binding, scope, sequence, generation, generation),
+    ).rowcount
+    conn.execute("COMMIT")
+    return 0 if moved == 1 else 1
 
 
 RAW = "raw WorkerPool launch+exit"
@@ -264,7 +264,11 @@ def raw_launches(url: str, n: int, concurrency: int, budget: float) -> Run:
 
 
 def floor_launches(url: str, n: int, concurrency: int, budget: float) -> Run:
-    """Bare launches whose child performs one fenced acknowledgment with the stdlib driver."""
+    """Bare launches of a no-op child; at each confirmed exit this process commits the
+    invocation's fenced acknowledgment with the stdlib driver (one connection for the run,
+    ``synchronous=FULL``): a fresh process and a durable, fenced acknowledgment, nothing else."""
+    import sqlite3
+
     from apsup.store import intents, open_backend
     from apsup.store.leases import GLOBAL_KEY, new_holder_id
 
@@ -277,24 +281,15 @@ def floor_launches(url: str, n: int, concurrency: int, budget: float) -> Run:
             rows = [intents.get(conn, fam.binding_name, f"scope-{i:06d}") for i in range(n)]
     finally:
         backend.dispose()
-    path = url.removeprefix("sqlite:///")
-    lease = (path, term.supervisor_key, term.holder_id, term.generation)
-    payloads = [
-        "\n".join(
-            str(v)
-            for v in (
-                *lease,
-                fam.binding_name,
-                row.scope_id,
-                row.requested_generation,
-                row.pending_sequence,
-            )
-        ).encode()
-        for row in rows
-        if row is not None
-    ]
-    target = f"{FAMILY_MODULE}:floor_ack"
+    lease = (term.supervisor_key, term.holder_id, term.generation)
+    acks = {
+        f"f{i}": (*lease, fam.binding_name, row.scope_id, row.requested_generation,
+                  row.pending_sequence)
+        for i, row in enumerate(r for r in rows if r is not None)
+    }  # fmt: skip
     failed = 0
+    db = sqlite3.connect(url.removeprefix("sqlite:///"), timeout=30, isolation_level=None)
+    db.execute("PRAGMA synchronous=FULL")
     with host_image_pool(url) as pool:
         for i in range(concurrency):
             pool.launch(f"warm{i}", "apsup.workers.child:noop", b"", timeout=60)
@@ -302,18 +297,21 @@ def floor_launches(url: str, n: int, concurrency: int, budget: float) -> Run:
         in_flight = launched = done = 0
         meter = CpuMeter(pool)
         start = time.perf_counter()
-        while in_flight or (launched < len(payloads) and time.perf_counter() - start < budget):
-            while in_flight < concurrency and launched < len(payloads):
-                pool.submit(f"f{launched}", target, payloads[launched], timeout=60)
+        while in_flight or (launched < len(acks) and time.perf_counter() - start < budget):
+            while in_flight < concurrency and launched < len(acks):
+                pool.submit(f"f{launched}", "apsup.workers.child:noop", b"", timeout=60)
                 launched += 1
                 in_flight += 1
             wait(pool.sentinels(), 5.0)
             exits = pool.poll()
             in_flight -= len(exits)
             done += len(exits)
-            failed += sum(1 for ex in exits if ex.exitcode != 0)
+            for ex in exits:
+                if ex.exitcode != 0 or floor_ack(db, *acks[ex.worker_id]) != 0:
+                    failed += 1
         wall = time.perf_counter() - start
         cpu, host_cpu = meter.stop()
+    db.close()
     if failed:
         print(f"  warning: {failed} floor acknowledgment(s) failed", file=sys.stderr)
     return Run(FLOOR, concurrency, done - failed, wall, cpu, host_cpu)
@@ -569,7 +567,7 @@ def render_markdown(
         "",
         "Worker-slot time = wall time / invocations x Workers. CPU = user + system time of every",
         "process: the host, the forkserver (zygote) and the Workers it reaped. *floor*: a bare",
-        "forkserver launch whose child commits one fenced",
+        "launch of a child that does nothing; at its confirmed exit the parent commits one fenced",
         "acknowledgment with the stdlib `sqlite3` driver (no apsup code, no SQLAlchemy).",
         "*async image*: the sync family in a host that also registers the async one (its Workers",
         "fork the image with the async engine preloaded, as the async family's do): async / sync",

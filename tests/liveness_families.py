@@ -12,6 +12,9 @@ stalewait  wait for ``go.<scope>``, then acknowledge (raises StaleTermError on a
 fakestale  attempt 1 (no ``attempt.<scope>`` file yet): raise StaleTermError although the term
            is valid; later attempts acknowledge
 lateack    acknowledge, then sleep past the family timeout (``live-late`` has a 1 s timeout)
+noack      return without acknowledging (the Supervisor acknowledges for it); first write into
+           ``dbconns.<scope>`` how many descriptors the Worker holds on the database
+noackwait  wait for ``go.<scope>``, then return without acknowledging
 =========  ======================================================================================
 
 ``live-scan`` checks every second (its StartScan is a fenced control write each time).
@@ -21,6 +24,7 @@ returns and how long each page's query takes (``SELECT SLEEP`` on MySQL: real da
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -55,6 +59,28 @@ def _ack(ctx: ExecutionContext) -> None:
         ctx.acknowledge(conn)
 
 
+def _database_connections(ctx: ExecutionContext) -> int:
+    """Descriptors this process holds on the database: the SQLite file (with its -wal and
+    -shm), or TCP sockets (a MySQL session: sockets listed in ``/proc/self/net/tcp*``)."""
+    tcp: set[str] = set()
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/self/net/{table}").read_text().splitlines()[1:]:
+                tcp.add(line.split()[9])  # the socket's inode
+    sqlite_path = (
+        ctx.database_url.removeprefix("sqlite:///") if "sqlite" in ctx.database_url else None
+    )
+    found = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        session = target.startswith("socket:[") and target[8:-1] in tcp
+        found += session or (sqlite_path is not None and target.startswith(sqlite_path))
+    return found
+
+
 def behave(scope_id: str, ctx: ExecutionContext) -> None:
     kind = scope_id.split(".", 1)[0]
     if kind == "ok" and "LIVE_DIR" not in ctx.settings:
@@ -79,6 +105,10 @@ def behave(scope_id: str, ctx: ExecutionContext) -> None:
             marker.touch()
             raise StaleTermError("simulated: the Worker believes the term moved on")
         _ack(ctx)
+    elif kind == "noack":
+        (d / f"dbconns.{scope_id}").write_text(str(_database_connections(ctx)))
+    elif kind == "noackwait":
+        _wait_for(d / f"go.{scope_id}")
     elif kind == "lateack":
         _ack(ctx)
         time.sleep(30)

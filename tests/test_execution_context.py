@@ -142,6 +142,17 @@ def test_round_trip_is_equal_and_uses_no_pickle(monkeypatch: pytest.MonkeyPatch)
         pickle.loads(payload)
 
 
+def test_host_acknowledges_travels_only_when_set() -> None:
+    """A Supervisor's context says it checked and will acknowledge; one built by hand (a
+    test, a manual re-run) leaves both to the Worker and does not carry the field."""
+    by_hand = _sample()
+    assert not by_hand.host_acknowledges
+    assert b"host_acknowledges" not in by_hand.to_bytes()
+    assert not ExecutionContext.from_bytes(by_hand.to_bytes()).host_acknowledges
+    by_hand.host_acknowledges = True
+    assert ExecutionContext.from_bytes(by_hand.to_bytes()).host_acknowledges
+
+
 def _payload(**changes: Any) -> bytes:
     data = orjson.loads(_sample().to_bytes())
     for key, value in changes.items():
@@ -171,6 +182,8 @@ def _payload(**changes: Any) -> bytes:
         (_payload(database_url=None), "'database_url' has the wrong type"),
         (_payload(settings=["a"]), "'settings' has the wrong type"),
         (_payload(settings={"a": 1}), "settings must map strings to strings"),
+        (_payload(host_acknowledges=1), "'host_acknowledges' must be a boolean"),
+        (_payload(host_acknowledges="yes"), "'host_acknowledges' must be a boolean"),
     ],
 )
 def test_malformed_payloads_raise_context_error(payload: bytes, message: str) -> None:

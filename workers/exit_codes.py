@@ -15,6 +15,9 @@ code  name                        Supervisor reaction
 6     STORAGE_FULL                the database could not write: disk full     } infrastructure:
 7     STORAGE_READ_ONLY           the database could not write: read-only     } short fixed retry,
 8     STORAGE_IO                  the database could not write: I/O error     } no backoff growth
+9     ACKNOWLEDGE                 the processor returned without acknowledging: the Supervisor
+                                  acknowledges for it, fenced by the dispatching term (contexts
+                                  with ``host_acknowledges``), then classifies as for 0
 143   FORCED_EXIT                 second SIGTERM during graceful cleanup: ``os._exit(143)``
 255   STATUS_LOST                 gone, status lost with the forkserver: the intent row decides
 -15   KILLED_SIGTERM              SIGTERM hit before the child installed its handler
@@ -51,6 +54,7 @@ class ExitCode(IntEnum):
     STORAGE_FULL = 6
     STORAGE_READ_ONLY = 7
     STORAGE_IO = 8
+    ACKNOWLEDGE = 9
     FORCED_EXIT = 128 + signal.SIGTERM
     STATUS_LOST = 255
     KILLED_SIGTERM = -signal.SIGTERM

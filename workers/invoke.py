@@ -2,9 +2,13 @@
 
 Input is only the serialized ExecutionContext. The wrapper rebuilds what it needs from it,
 skips duplicate invocations (handled >= G consumes no new input, RFC §5), runs the processor
-and, when the processor returned without acknowledging, acknowledges in a final fenced
-transaction. An ``async def`` processor runs to completion in the Worker's own event loop before
-that acknowledgment; so does any awaitable a plain processor returns (a sync wrapper around a
+and, when the processor returned without acknowledging, has G acknowledged in a final fenced
+transaction. Under a Supervisor (``ctx.host_acknowledges``) both ends are the host's: its
+dispatch read right before the launch was the duplicate check, and on ``ExitCode.ACKNOWLEDGE``
+it commits the acknowledgment itself, fenced by the dispatching term, so a processor that needs
+no database costs its Worker no session. A context built by hand gets both from the Worker.
+An ``async def`` processor runs to completion in the Worker's own event loop before that
+acknowledgment; so does any awaitable a plain processor returns (a sync wrapper around a
 coroutine): an un-awaited coroutine would otherwise be acknowledged without ever running.
 The exit code tells the Supervisor what happened; the Supervisor still verifies the durable
 acknowledgment itself before counting an exit 0 as success.
@@ -63,15 +67,21 @@ def run(payload: bytes) -> int:
     try:
         fam = resolve_entry_point(ctx.entry_point)
         worker_logs.set_include_messages(fam.log_exception_messages)
-        if ctx.already_handled():
+        # Under a Supervisor, its dispatch read was the duplicate check (handled < G right
+        # before the launch; any later acknowledgment of G needs the dispatching term, which
+        # runs no other Worker for this Scope): the Worker opens no session just to repeat it.
+        if not ctx.host_acknowledges and ctx.already_handled():
             return ExitCode.SUCCESS
         result = fam.processor(ctx.scope_id, ctx)
         if result is not None and inspect.isawaitable(result):  # None: no ABC walk
             from apsup.workers.child import run_coroutine  # preloaded: no import cost here
 
             run_coroutine(_run_async(result))
-        if not ctx.acknowledged:
-            ctx.acknowledge_fenced()
+        if ctx.acknowledged:
+            return ExitCode.SUCCESS
+        if ctx.host_acknowledges:  # the Supervisor acknowledges G under the same term
+            return ExitCode.ACKNOWLEDGE
+        ctx.acknowledge_fenced()
         return ExitCode.SUCCESS
     except ProgressConflict as exc:
         _say("progress conflict", exc)

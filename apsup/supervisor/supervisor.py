@@ -17,14 +17,14 @@ import signal
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Connection
 
 from apsup.context import ExecutionContext
-from apsup.errors import StaleTermError
+from apsup.errors import ProgressConflict, StaleTermError
 from apsup.observability.logging import error_fields, exception_message
 from apsup.registry import Family, Reconciler
 from apsup.scheduling import (
@@ -47,7 +47,7 @@ from apsup.store.leases import Term
 from apsup.store.operator_state import FamilyControl
 from apsup.store.storage import DESCRIBE, storage_error_kind
 from apsup.supervisor.operator_controls import OperatorControls
-from apsup.workers.exit_codes import STORAGE_EXITS, ExitCode
+from apsup.workers.exit_codes import STORAGE_EXIT_CODES, STORAGE_EXITS, ExitCode
 from apsup.workers.invoke import TARGET
 from apsup.workers.pool import WorkerExit, WorkerPool
 
@@ -111,6 +111,7 @@ class Invocation:
     started: float
     token: int  # the core's dispatch id: an exit reported under it cannot free another dispatch
     term_generation: int  # the term that dispatched it
+    pending_sequence: int  # the intent row's incarnation G was claimed in (for acknowledging)
 
 
 class Hooks:
@@ -548,6 +549,7 @@ class Supervisor:
             entry_point=fam.entry_point,
             database_url=self.database_url,
             settings=self.worker_settings,
+            host_acknowledges=True,  # the read above was the duplicate check
         )
         core.on_dispatched(d.family, d.scope_id, True, token=d.token)
         self.running[worker_id] = Invocation(
@@ -559,6 +561,7 @@ class Supervisor:
             time.monotonic(),
             d.token,
             term.generation,
+            row.pending_sequence,
         )
         self.hooks.on_dispatch(d.family)
         fields = _success_fields(self.running[worker_id], 0.0)
@@ -622,6 +625,8 @@ class Supervisor:
             return
         fam = inv.family
         try:
+            if ex.exitcode == ExitCode.ACKNOWLEDGE:
+                ex = replace(ex, exitcode=self._acknowledge_for(inv))
             row = self.backend.read_intent(fam.binding_name, inv.scope_id)
         except Exception as exc:
             pending = self.unclassified.get(ex.worker_id)
@@ -824,6 +829,33 @@ class Supervisor:
         except Exception:
             return True  # unknown: the host's renewal decides
         return True
+
+    def _acknowledge_for(self, inv: Invocation) -> int:
+        """The Worker's processor returned without acknowledging (``ExitCode.ACKNOWLEDGE``):
+        acknowledge G now, fenced by the term that dispatched it, exactly as the Worker's own
+        final transaction would have (idempotent: a retry finds it done). Returns the exit
+        code the Worker would have had: SUCCESS, STALE_TERM when that term is no longer the
+        valid one (then nothing was written), PROGRESS_CONFLICT when the Scope's row was
+        deleted and recreated, or a storage code when the database refused the write. Any
+        other error propagates: the exit stays unclassified and this is retried."""
+        fam, key = inv.family, self.term
+        if key is None:
+            return ExitCode.STALE_TERM  # no term left to acknowledge under
+        term = Term(key.supervisor_key, key.holder_id, inv.term_generation)
+        try:
+            self.backend.acknowledge_fenced(
+                term, fam.binding_name, inv.scope_id, inv.generation, inv.pending_sequence
+            )
+        except StaleTermError:
+            return ExitCode.STALE_TERM
+        except ProgressConflict:
+            return ExitCode.PROGRESS_CONFLICT
+        except Exception as exc:
+            kind = storage_error_kind(exc)
+            if kind is None:
+                raise
+            return STORAGE_EXIT_CODES[kind]
+        return ExitCode.SUCCESS
 
     def retry_classification(self) -> None:
         """Classify again the exits whose classification failed, when their retry is due."""
