@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from apsup.scheduling import KeyState
-from apsup.store import migrate, open_backend
+from apsup.store import backend_kind, intents, migrate, open_backend
+from apsup.store.leases import GLOBAL_KEY, new_holder_id
 from apsup.supervisor.host import LeasePolicy
 from apsup.workers.exit_codes import ExitCode
 from apsup.workers.pool import WorkerExit
@@ -136,5 +137,59 @@ def test_a_refused_host_acknowledgment_keeps_the_key_until_it_is_made(
             assert sup.failed[fam.name] == 0 and not sup.unclassified and not sup.running
             assert started.read_text() == pid, "the processor ran a second time"
             assert sup.established
+    finally:
+        backend.dispose()
+
+
+def test_a_request_made_while_the_worker_ran_runs_after_the_host_acknowledgment(
+    db_url: str, tmp_path: Path
+) -> None:
+    """The host acknowledges G, not the request that arrived meanwhile (G + 1): the exit is
+    classified with more work pending and the Scope runs again, at once."""
+    migrate(db_url)
+    backend = open_backend(db_url)
+    fam = lf.live_work
+    try:
+        g = request(backend, fam, "noackwait.1")
+        with live_host(db_url, [fam], tmp_path) as b:
+            sup = b.host.supervisors[0]
+            codes = _record_exit_codes(sup)
+            started = tmp_path / "started.noackwait.1"
+            cycle_until(b.host, started.exists, 30, "Worker started")
+            first = started.read_text()
+            later = request(backend, fam, "noackwait.1")
+            assert later == g + 1
+            (tmp_path / "go.noackwait.1").touch()
+            cycle_until(b.host, lambda: sup.completed[fam.name] == 2, 30, "both invocations")
+            assert started.read_text() != first, "the second invocation did not run"
+            assert handled(backend, fam, "noackwait.1", later)
+            assert codes == [ExitCode.ACKNOWLEDGE, ExitCode.ACKNOWLEDGE]
+            assert sup.failed[fam.name] == 0
+    finally:
+        backend.dispose()
+
+
+def test_the_acknowledgment_reports_the_requested_generation_where_it_can(db_url: str) -> None:
+    """What the Supervisor classifies the exit with: on MySQL the acknowledging UPDATE reports
+    the row's requested generation (a request made meanwhile shows as more work) and no read
+    follows; SQLite reports nothing and the Supervisor reads the row. Nothing moved: None."""
+    migrate(db_url)
+    backend = open_backend(db_url)
+    fam = lf.live_work
+    try:
+        g = request(backend, fam, "noack.1")
+        later = request(backend, fam, "noack.1")
+        assert later == g + 1
+        term = backend.claim_term(GLOBAL_KEY, new_holder_id(), 60)
+        assert term is not None
+        with backend.read() as conn:
+            row = intents.get(conn, fam.binding_name, "noack.1")
+        assert row is not None
+        args = (term, fam.binding_name, "noack.1", g, row.pending_sequence)
+        reported = backend.acknowledge_for_exit(*args)
+        assert reported == (later if backend_kind(db_url) == "mysql" else None)
+        assert handled(backend, fam, "noack.1", g)
+        assert not handled(backend, fam, "noack.1", later)
+        assert backend.acknowledge_for_exit(*args) is None  # already acknowledged
     finally:
         backend.dispose()

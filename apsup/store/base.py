@@ -150,6 +150,16 @@ class SqlBackend:
         with self.fenced(term) as conn:
             return intents.acknowledge(conn, binding, scope_id, generation, pending_sequence)
 
+    def acknowledge_for_exit(
+        self, term: Term, binding: str, scope_id: str, generation: int, pending_sequence: int
+    ) -> int | None:
+        """``acknowledge_fenced`` as the Supervisor runs it for a Worker whose processor
+        returned: the row's requested generation when this call moved handled to
+        ``generation`` and the backend read it in the same statement, else None (the caller
+        reads the row). Here always None: a point read costs SQLite next to nothing."""
+        self.acknowledge_fenced(term, binding, scope_id, generation, pending_sequence)
+        return None
+
     def time_left(self) -> float | None:
         """Seconds left before ``call_deadline``; raises ``DeadlinePassed`` once it passed."""
         deadline = self.call_deadline

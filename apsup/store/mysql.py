@@ -106,6 +106,13 @@ _ACK_SQL = (
     f"UPDATE {intents.name} SET handled_generation = %s WHERE binding_name = %s AND scope_id = %s"
     " AND handled_generation < %s AND requested_generation >= %s AND pending_sequence = %s"
 )
+#: The same acknowledgment, also reporting the row's requested generation in the OK packet
+#: (``LAST_INSERT_ID(expr)`` sets the session's insert id; the column keeps its value, read
+#: under the row lock this UPDATE holds): the Supervisor classifies the exit without a read.
+_ACK_REPORTING_SQL = _ACK_SQL.replace(
+    "SET handled_generation = %s",
+    "SET handled_generation = %s, requested_generation = LAST_INSERT_ID(requested_generation)",
+)
 #: Appended for an expiring Lease: still unexpired at this statement's start (after the lock).
 _UNEXPIRED = " AND CAST(%s AS DATETIME(6)) > UTC_TIMESTAMP(6)"
 
@@ -674,9 +681,35 @@ class MysqlBackend(SqlBackend):
     ) -> bool:
         if not self._dbapi_path():
             return super().acknowledge_fenced(term, binding, scope_id, generation, pending_sequence)
+        moved, _ = self._acknowledge(term, binding, scope_id, generation, pending_sequence, False)
+        return moved
+
+    def acknowledge_for_exit(
+        self, term: Term, binding: str, scope_id: str, generation: int, pending_sequence: int
+    ) -> int | None:
+        if not self._dbapi_path():
+            return super().acknowledge_for_exit(
+                term, binding, scope_id, generation, pending_sequence
+            )
+        moved, requested = self._acknowledge(
+            term, binding, scope_id, generation, pending_sequence, True
+        )
+        return requested if moved else None
+
+    def _acknowledge(
+        self,
+        term: Term,
+        binding: str,
+        scope_id: str,
+        generation: int,
+        pending_sequence: int,
+        report: bool,
+    ) -> tuple[bool, int | None]:
+        """The fenced acknowledgment on the DBAPI path: (moved, the requested generation when
+        ``report`` and moved)."""
         key = (binding.encode(), scope_id.encode())
 
-        def attempt() -> bool:
+        def attempt() -> tuple[bool, int | None]:
             with self._dbapi() as (dbapi_conn, info):
                 cur = dbapi_conn.cursor()
                 bound = self._unbounded(info)
@@ -691,11 +724,12 @@ class MysqlBackend(SqlBackend):
                 validate(lease, term, None)  # holder and generation; expiry on database time:
                 assert lease is not None
                 params: list[Any] = [generation, *key, generation, generation, pending_sequence]
-                statement = _ACK_SQL
+                statement = _ACK_REPORTING_SQL if report else _ACK_SQL
                 if lease.expires_at is not None:
                     statement += _UNEXPIRED
                     params.append(lease.expires_at)
                 moved = cur.execute(statement, params) == 1
+                requested = int(cur.lastrowid) if moved and report else None
                 if not moved:  # expired, already handled, or an error (as intents.acknowledge)
                     cur.execute("SELECT UTC_TIMESTAMP(6)")
                     validate(lease, term, cur.fetchone()[0])
@@ -705,7 +739,7 @@ class MysqlBackend(SqlBackend):
                         row, binding, scope_id, generation, pending_sequence
                     )
                 dbapi_conn.commit()
-                return moved
+                return moved, requested
 
         # Lock waits and deadlocks retry the whole transaction, as every fenced write does; a
         # retry after a COMMIT of unknown outcome is safe here (the acknowledgment is

@@ -625,9 +625,16 @@ class Supervisor:
             return
         fam = inv.family
         try:
+            requested: int | None = None
             if ex.exitcode == ExitCode.ACKNOWLEDGE:
-                ex = replace(ex, exitcode=self._acknowledge_for(inv))
-            row = self.backend.read_intent(fam.binding_name, inv.scope_id)
+                code, requested = self._acknowledge_for(inv)
+                ex = replace(ex, exitcode=code)
+            if requested is not None:  # moved to G by us just now: no read needed
+                handled, more = True, requested > inv.generation
+            else:
+                row = self.backend.read_intent(fam.binding_name, inv.scope_id)
+                handled = row is not None and row.handled_generation >= inv.generation
+                more = row is not None and row.requested_generation > row.handled_generation
         except Exception as exc:
             pending = self.unclassified.get(ex.worker_id)
             attempts = 1 if pending is None else pending.attempts + 1
@@ -648,8 +655,6 @@ class Supervisor:
             return
         self.unclassified.pop(ex.worker_id, None)
         del self.running[ex.worker_id]
-        handled = row is not None and row.handled_generation >= inv.generation
-        more = row is not None and row.requested_generation > row.handled_generation
         stale_but_valid = (
             ex.exitcode == ExitCode.STALE_TERM
             and not ex.timed_out
@@ -830,32 +835,34 @@ class Supervisor:
             return True  # unknown: the host's renewal decides
         return True
 
-    def _acknowledge_for(self, inv: Invocation) -> int:
+    def _acknowledge_for(self, inv: Invocation) -> tuple[int, int | None]:
         """The Worker's processor returned without acknowledging (``ExitCode.ACKNOWLEDGE``):
         acknowledge G now, fenced by the term that dispatched it, exactly as the Worker's own
         final transaction would have (idempotent: a retry finds it done). Returns the exit
-        code the Worker would have had: SUCCESS, STALE_TERM when that term is no longer the
-        valid one (then nothing was written), PROGRESS_CONFLICT when the Scope's row was
-        deleted and recreated, or a storage code when the database refused the write. Any
-        other error propagates: the exit stays unclassified and this is retried."""
+        code the Worker would have had (SUCCESS; STALE_TERM when that term is no longer the
+        valid one, and then nothing was written; PROGRESS_CONFLICT when the Scope's row was
+        deleted and recreated; a storage code when the database refused the write), and the
+        row's requested generation when this call moved it to G and the backend read it in the
+        same statement (else None: classification reads the row). Any other error propagates:
+        the exit stays unclassified and this is retried."""
         fam, key = inv.family, self.term
         if key is None:
-            return ExitCode.STALE_TERM  # no term left to acknowledge under
+            return ExitCode.STALE_TERM, None  # no term left to acknowledge under
         term = Term(key.supervisor_key, key.holder_id, inv.term_generation)
         try:
-            self.backend.acknowledge_fenced(
+            requested = self.backend.acknowledge_for_exit(
                 term, fam.binding_name, inv.scope_id, inv.generation, inv.pending_sequence
             )
         except StaleTermError:
-            return ExitCode.STALE_TERM
+            return ExitCode.STALE_TERM, None
         except ProgressConflict:
-            return ExitCode.PROGRESS_CONFLICT
+            return ExitCode.PROGRESS_CONFLICT, None
         except Exception as exc:
             kind = storage_error_kind(exc)
             if kind is None:
                 raise
-            return STORAGE_EXIT_CODES[kind]
-        return ExitCode.SUCCESS
+            return STORAGE_EXIT_CODES[kind], None
+        return ExitCode.SUCCESS, requested
 
     def retry_classification(self) -> None:
         """Classify again the exits whose classification failed, when their retry is due."""
