@@ -14,12 +14,12 @@ from apsup.observability.health import Heartbeat
 from apsup.observability.metrics import SupervisorMetrics
 from apsup.observability.status import evaluate_readiness
 from apsup.registry import Family
-from apsup.scheduling import Backoff
+from apsup.scheduling import Backoff, KeyState
 from apsup.store import SqlBackend, intents, migrate, open_backend
 from apsup.supervisor.host import Host, LeasePolicy
 from apsup.supervisor.launcher import HostBundle, build_host
 from apsup.supervisor.runtime import HostObserver
-from apsup.supervisor.supervisor import Hooks
+from apsup.supervisor.supervisor import Hooks, Supervisor
 
 FAST_BACKOFF = Backoff(base=0.3, factor=2.0, cap=1.2, jitter=0.1)
 INTENTS = "pc_artifact_processing_intents"
@@ -98,6 +98,19 @@ def cycle_for(host: Host, seconds: float, check: Callable[[], None] | None = Non
         host.cycle(max_wait=0.05)
         if check is not None:
             check()
+
+
+def still_occupied(sup: Supervisor, fam: Family, scope: str) -> Callable[[], None]:
+    """A check for ``cycle_for``: the Scope's exit is not classified yet: its key is still
+    running, its budget slot taken, and nothing was counted."""
+
+    def check() -> None:
+        assert sup.core is not None
+        assert sup.core.key_state(fam.name, scope) is KeyState.RUNNING
+        assert sup.core.running_count(fam.name) == 1
+        assert sup.completed[fam.name] == 0 and sup.failed[fam.name] == 0
+
+    return check
 
 
 def request(backend: SqlBackend, fam: Family, scope: str) -> int:

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 
-from apsup.scheduling import KeyState
 from apsup.store import backend_kind, intents, migrate, open_backend
 from apsup.store.leases import GLOBAL_KEY, new_holder_id
 from apsup.supervisor.host import LeasePolicy
@@ -37,6 +36,7 @@ from tests.liveness_support import (
     live_host,
     rename_table,
     request,
+    still_occupied,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -122,13 +122,7 @@ def test_a_refused_host_acknowledgment_keeps_the_key_until_it_is_made(
                 (tmp_path / "go.noackwait.1").touch()
                 cycle_until(host, lambda: not b.pool.running(), 30, "Worker exit confirmed")
 
-                def still_occupied() -> None:
-                    assert sup.core is not None
-                    assert sup.core.key_state(fam.name, "noackwait.1") is KeyState.RUNNING
-                    assert sup.core.running_count(fam.name) == 1
-                    assert sup.completed[fam.name] == 0 and sup.failed[fam.name] == 0
-
-                cycle_for(host, 2.0, still_occupied)
+                cycle_for(host, 2.0, still_occupied(sup, fam, "noackwait.1"))
                 assert sup.unclassified, "the exit should wait for its acknowledgment"
             finally:
                 rename_table(db_url, "live_moved_intents", INTENTS)

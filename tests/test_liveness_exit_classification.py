@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from apsup.scheduling import KeyState
 from apsup.store import migrate, open_backend
 from tests import liveness_families as lf
 from tests.liveness_support import (
@@ -23,6 +22,7 @@ from tests.liveness_support import (
     live_host,
     rename_table,
     request,
+    still_occupied,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -44,13 +44,9 @@ def test_exit_classification_survives_a_database_error(db_url: str, tmp_path: Pa
                 (tmp_path / "go.ackwait.1").touch()
                 cycle_until(host, lambda: not b.pool.running(), 30, "Worker exit confirmed")
 
-                def still_occupied() -> None:
-                    assert sup.core is not None
-                    assert sup.core.key_state(fam.name, "ackwait.1") is KeyState.RUNNING
-                    assert sup.core.running_count(fam.name) == 1
-                    assert sup.completed[fam.name] == 0 and sup.failed[fam.name] == 0
-
-                cycle_for(host, 2.0, still_occupied)  # on today's main: OperationalError here
+                cycle_for(
+                    host, 2.0, still_occupied(sup, fam, "ackwait.1")
+                )  # on today's main: OperationalError here
                 assert sup.unclassified, "the exit should wait for classification"
             finally:
                 rename_table(db_url, "live_moved_intents", INTENTS)
