@@ -345,8 +345,8 @@ def wake_at_last_exit(host: Any, family: str, n: int) -> None:
     sup = host.supervisors[0]
     classify = sup.on_exit
 
-    def on_exit(ex: object) -> None:
-        classify(ex)
+    def on_exit(ex: object, *args: object) -> None:
+        classify(ex, *args)
         if sup.completed[family] + sup.failed[family] >= n:
             host.wake()
 

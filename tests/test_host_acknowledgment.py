@@ -12,16 +12,24 @@ own. What must hold:
   nothing is written, no success is counted, and the Supervisor steps down;
 - when the database refuses the host's acknowledgment (the intent table is gone), the exit
   stays unclassified and its key occupied (no second Worker), and the acknowledgment is made
-  once the database accepts it: the processor ran once.
+  once the database accepts it: the processor ran once;
+- the exits confirmed together are acknowledged together (one fenced transaction; on MySQL one
+  round trip), each with its own outcome: moved, already handled, or its claimed row gone;
+- a Scope whose row was deleted and recreated while its Worker ran is a progress conflict: the
+  exit is classified (the key is not held), and the new row is processed.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
+from sqlalchemy import text
 
+from apsup.errors import IntentError, StaleTermError
 from apsup.store import backend_kind, intents, migrate, open_backend
+from apsup.store.base import ExitAck
 from apsup.store.leases import GLOBAL_KEY, new_holder_id
 from apsup.supervisor.host import LeasePolicy
 from apsup.workers.exit_codes import ExitCode
@@ -47,9 +55,9 @@ def _record_exit_codes(sup: object) -> list[int]:
     codes: list[int] = []
     on_exit = sup.on_exit  # type: ignore[attr-defined]
 
-    def recording(ex: WorkerExit) -> None:
+    def recording(ex: WorkerExit, *args: object) -> None:
         codes.append(ex.exitcode)
-        on_exit(ex)
+        on_exit(ex, *args)
 
     sup.on_exit = recording  # type: ignore[attr-defined]
     return codes
@@ -168,7 +176,7 @@ def test_the_acknowledgment_reports_the_requested_generation_where_it_can(db_url
     the row's requested generation (a request made meanwhile shows as more work) and no read
     follows; SQLite reports nothing and the Supervisor reads the row. Nothing moved: None."""
     migrate(db_url)
-    backend = open_backend(db_url)
+    backend = open_backend(db_url, control=True)  # the host's backend
     fam = lf.live_work
     try:
         g = request(backend, fam, "noack.1")
@@ -179,11 +187,133 @@ def test_the_acknowledgment_reports_the_requested_generation_where_it_can(db_url
         with backend.read() as conn:
             row = intents.get(conn, fam.binding_name, "noack.1")
         assert row is not None
-        args = (term, fam.binding_name, "noack.1", g, row.pending_sequence)
-        reported = backend.acknowledge_for_exit(*args)
-        assert reported == (later if backend_kind(db_url) == "mysql" else None)
+        exits = [ExitAck(fam.binding_name, "noack.1", g, row.pending_sequence)]
+        assert backend.acknowledge_exits(term, exits) == [
+            later if backend_kind(db_url) == "mysql" else None
+        ]
         assert handled(backend, fam, "noack.1", g)
         assert not handled(backend, fam, "noack.1", later)
-        assert backend.acknowledge_for_exit(*args) is None  # already acknowledged
+        assert backend.acknowledge_exits(term, exits) == [None]  # already acknowledged
+    finally:
+        backend.dispose()
+
+
+def _pending_sequence(backend: object, fam: object, scope: str) -> int:
+    with backend.read() as conn:  # type: ignore[attr-defined]
+        row = intents.get(conn, fam.binding_name, scope)  # type: ignore[attr-defined]
+    assert row is not None
+    return row.pending_sequence
+
+
+def _delete_row(backend: object, fam: object, scope: str) -> None:
+    with backend.transaction() as conn:  # type: ignore[attr-defined]
+        conn.execute(
+            text(f"DELETE FROM {INTENTS} WHERE binding_name = :b AND scope_id = :s"),
+            {"b": fam.binding_name, "s": scope},  # type: ignore[attr-defined]
+        )
+
+
+def test_exits_acknowledged_together_each_get_their_own_outcome(db_url: str) -> None:
+    migrate(db_url)
+    backend = open_backend(db_url, control=True)  # the host's backend
+    fam = lf.live_work
+    try:
+        term = backend.claim_term(GLOBAL_KEY, new_holder_id(), 60)
+        assert term is not None
+        fresh = request(backend, fam, "noack.fresh")
+        done = request(backend, fam, "noack.done")
+        gone = request(backend, fam, "noack.gone")
+        exits = [
+            ExitAck(fam.binding_name, scope, g, _pending_sequence(backend, fam, scope))
+            for scope, g in (("noack.fresh", fresh), ("noack.done", done), ("noack.gone", gone))
+        ]
+        assert backend.acknowledge_exits(term, [exits[1]]) is not None  # handled already
+        _delete_row(backend, fam, "noack.gone")
+        request(backend, fam, "noack.gone")  # recreated: a new pending sequence
+        results = backend.acknowledge_exits(term, exits)
+        reported = fresh if backend_kind(db_url) == "mysql" else None
+        assert results[:2] == [reported, None]
+        assert isinstance(results[2], IntentError)
+        assert handled(backend, fam, "noack.fresh", fresh)
+        assert handled(backend, fam, "noack.done", done)
+        assert not handled(backend, fam, "noack.gone", 1), "the recreated row was acknowledged"
+
+        # A term that is no longer valid writes nothing, for any of them.
+        more = [request(backend, fam, scope) for scope in ("noack.fresh", "noack.done")]
+        later = [
+            ExitAck(fam.binding_name, scope, g, _pending_sequence(backend, fam, scope))
+            for scope, g in zip(("noack.fresh", "noack.done"), more, strict=True)
+        ]
+        backend.invalidate_terms()
+        with pytest.raises(StaleTermError):
+            backend.acknowledge_exits(term, later)
+        assert not handled(backend, fam, "noack.fresh", more[0])
+        assert not handled(backend, fam, "noack.done", more[1])
+    finally:
+        backend.dispose()
+
+
+def _gone(pid: str) -> bool:
+    return not Path(f"/proc/{pid}").exists()
+
+
+def test_exits_confirmed_together_are_acknowledged_in_one_call(db_url: str, tmp_path: Path) -> None:
+    migrate(db_url)
+    backend = open_backend(db_url)
+    fam = lf.live_work  # four Workers at most
+    scopes = ["noackwait.1", "noackwait.2", "noackwait.3"]
+    try:
+        wanted = {scope: request(backend, fam, scope) for scope in scopes}
+        with live_host(db_url, [fam], tmp_path) as b:
+            host, sup = b.host, b.host.supervisors[0]
+            calls: list[int] = []
+            acknowledge = host.backend.acknowledge_exits
+
+            def counting(term: object, exits: list[ExitAck]) -> object:
+                calls.append(len(exits))
+                return acknowledge(term, exits)  # type: ignore[arg-type]
+
+            host.backend.acknowledge_exits = counting  # type: ignore[method-assign]
+            started = [tmp_path / f"started.{scope}" for scope in scopes]
+            cycle_until(host, lambda: all(p.exists() for p in started), 30, "all Workers started")
+            pids = [p.read_text() for p in started]
+            for scope in scopes:
+                (tmp_path / f"go.{scope}").touch()
+            deadline = time.monotonic() + 30  # exited and reaped, before the host looks
+            while not all(_gone(pid) for pid in pids):
+                assert time.monotonic() < deadline, "the Workers did not exit"
+                time.sleep(0.02)
+            cycle_until(host, lambda: sup.completed[fam.name] == 3, 30, "all acknowledged")
+            assert calls == [3]
+            assert all(handled(backend, fam, s, g) for s, g in wanted.items())
+            assert sup.failed[fam.name] == 0 and not sup.unclassified
+    finally:
+        backend.dispose()
+
+
+def test_a_row_recreated_while_its_worker_ran_is_a_progress_conflict(
+    db_url: str, tmp_path: Path
+) -> None:
+    migrate(db_url)
+    backend = open_backend(db_url)
+    fam = lf.live_work
+    recorder = ExitRecorder()
+    try:
+        request(backend, fam, "noackwait.1")
+        with live_host(db_url, [fam], tmp_path, hooks=recorder) as b:
+            host, sup = b.host, b.host.supervisors[0]
+            started = tmp_path / "started.noackwait.1"
+            cycle_until(host, started.exists, 30, "Worker started")
+            first = started.read_text()
+            _delete_row(backend, fam, "noackwait.1")
+            g = request(backend, fam, "noackwait.1")  # the new row: generation 1 again
+            (tmp_path / "go.noackwait.1").touch()
+            cycle_until(host, lambda: recorder.causes, 30, "the exit classified")
+            assert recorder.causes[0] == (fam.name, "conflict")
+            assert not sup.unclassified
+            cycle_until(host, lambda: started.read_text() != first, 30, "the new row's Worker")
+            cycle_until(host, lambda: sup.completed[fam.name] == 1, 30, "the new row handled")
+            assert handled(backend, fam, "noackwait.1", g)
+            assert sup.failed[fam.name] == 0
     finally:
         backend.dispose()

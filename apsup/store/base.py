@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -17,13 +18,28 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
-from apsup.errors import BackendError, DeadlinePassed
+from apsup.errors import BackendError, DeadlinePassed, IntentError
 from apsup.store import intents
 from apsup.store.leases import LeaseRow, Term, all_leases, invalidate, read_lease, validate
 
 T = TypeVar("T")
 
 MAX_ATTEMPTS = 6
+
+
+@dataclass(frozen=True, slots=True)
+class ExitAck:
+    """One Worker exit its Supervisor acknowledges: generation G of the claimed intent row."""
+
+    binding: str
+    scope_id: str
+    generation: int
+    pending_sequence: int
+
+
+#: Per acknowledged exit (``SqlBackend.acknowledge_exits``): the requested generation it
+#: reported, None (the caller reads the row), or why the claimed row could not take it.
+AckResult = int | None | IntentError
 
 
 def redact_url(url: str) -> str:
@@ -150,15 +166,29 @@ class SqlBackend:
         with self.fenced(term) as conn:
             return intents.acknowledge(conn, binding, scope_id, generation, pending_sequence)
 
-    def acknowledge_for_exit(
-        self, term: Term, binding: str, scope_id: str, generation: int, pending_sequence: int
-    ) -> int | None:
-        """``acknowledge_fenced`` as the Supervisor runs it for a Worker whose processor
-        returned: the row's requested generation when this call moved handled to
-        ``generation`` and the backend read it in the same statement, else None (the caller
-        reads the row). Here always None: a point read costs SQLite next to nothing."""
-        self.acknowledge_fenced(term, binding, scope_id, generation, pending_sequence)
-        return None
+    def acknowledge_exits(self, term: Term, exits: Sequence[ExitAck]) -> list[AckResult]:
+        """The Supervisor's acknowledgments for Workers whose processors returned, all under
+        ``term`` in one fenced transaction (one Lease lock, one commit for the exits of a
+        cycle). Per exit, in order: the row's requested generation when this call moved
+        handled to G and the backend read it in the same statement; None when it moved
+        without reporting it, or G was handled already (the caller reads the row); the
+        ``IntentError`` when the claimed row is gone or was recreated (nothing written for
+        it). StaleTermError when ``term`` is no longer valid: then nothing was written."""
+
+        def body() -> list[AckResult]:
+            out: list[AckResult] = []
+            with self.fenced(term) as conn:
+                for e in exits:
+                    try:
+                        intents.acknowledge(
+                            conn, e.binding, e.scope_id, e.generation, e.pending_sequence
+                        )
+                        out.append(None)
+                    except IntentError as exc:  # read-only so far: the others still go in
+                        out.append(exc)
+            return out
+
+        return self._retrying(body)
 
     def time_left(self) -> float | None:
         """Seconds left before ``call_deadline``; raises ``DeadlinePassed`` once it passed."""

@@ -47,18 +47,18 @@ import math
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import Connection, Engine, create_engine, event, literal_column, text, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.engine.default import DefaultDialect
 from sqlalchemy.exc import DBAPIError, DisconnectionError, IntegrityError
 
-from apsup.errors import ConfigError, DeadlinePassed
-from apsup.store.base import SqlBackend
+from apsup.errors import ConfigError, DeadlinePassed, IntentError, StaleTermError
+from apsup.store.base import AckResult, ExitAck, SqlBackend
 from apsup.store.intents import Intent, check_unmoved_acknowledgment
 from apsup.store.leases import (
     GLOBAL_KEY,
@@ -113,6 +113,14 @@ _ACK_REPORTING_SQL = _ACK_SQL.replace(
     "SET handled_generation = %s",
     "SET handled_generation = %s, requested_generation = LAST_INSERT_ID(requested_generation)",
 )
+#: The acknowledgment in a multi-statement batch: fenced in the statement itself, by the Lease
+#: row this transaction has locked (holder, generation, and unexpired on database time at this
+#: statement's start, after the lock).
+_FENCED_ACK_SQL = _ACK_REPORTING_SQL + (
+    f" AND EXISTS (SELECT 1 FROM {leases.name} WHERE supervisor_key = %s AND holder_id = %s"
+    " AND supervisor_generation = %s AND (expires_at IS NULL OR expires_at > UTC_TIMESTAMP(6)))"
+)
+_UNMOVED = object()
 #: Appended for an expiring Lease: still unexpired at this statement's start (after the lock).
 _UNEXPIRED = " AND CAST(%s AS DATETIME(6)) > UTC_TIMESTAMP(6)"
 
@@ -327,9 +335,18 @@ class MysqlBackend(SqlBackend):
         #: its first fenced transaction: set once this backend serves a Worker invocation,
         #: whose session runs a fenced acknowledgment anyway (``handled_generation``).
         self._bound_at_connect = False
+        #: The host's write sessions accept multi-statement queries: a batch of acknowledgments
+        #: (Lease lock, UPDATEs, COMMIT) is one round trip (``acknowledge_exits``). Only the
+        #: host's own statements run on them; Workers' sessions (processors' SQL) never do.
+        self._multi_statements = control and pymysql
+        write_args = dict(connect_args)
+        if self._multi_statements:
+            from pymysql.constants import CLIENT
+
+            write_args["client_flag"] = CLIENT.MULTI_STATEMENTS
         self.engine = create_engine(
             engine_url,
-            connect_args=connect_args,
+            connect_args=write_args,
             **isolation,
             pool_pre_ping=not pymysql,
             pool_recycle=1800,
@@ -684,17 +701,65 @@ class MysqlBackend(SqlBackend):
         moved, _ = self._acknowledge(term, binding, scope_id, generation, pending_sequence, False)
         return moved
 
-    def acknowledge_for_exit(
-        self, term: Term, binding: str, scope_id: str, generation: int, pending_sequence: int
-    ) -> int | None:
-        if not self._dbapi_path():
-            return super().acknowledge_for_exit(
-                term, binding, scope_id, generation, pending_sequence
-            )
-        moved, requested = self._acknowledge(
-            term, binding, scope_id, generation, pending_sequence, True
-        )
-        return requested if moved else None
+    def acknowledge_exits(self, term: Term, exits: Sequence[ExitAck]) -> list[AckResult]:
+        if not (self._dbapi_path() and self._multi_statements):
+            return super().acknowledge_exits(term, exits)
+        results = self._retrying(lambda: self._acknowledge_batch(term, exits))
+        for i, result in enumerate(results):
+            if result is not _UNMOVED:
+                continue
+            # Not moved in the batch (already handled, the row gone, the Lease run out at that
+            # statement): decided one by one on the path that checks each reason in turn.
+            e = exits[i]
+            try:
+                moved, requested = self._acknowledge(
+                    term, e.binding, e.scope_id, e.generation, e.pending_sequence, True
+                )
+                results[i] = requested if moved else None
+            except (IntentError, StaleTermError) as exc:
+                results[i] = exc
+        return cast(list[AckResult], results)
+
+    def _acknowledge_batch(self, term: Term, exits: Sequence[ExitAck]) -> list[object]:
+        """One round trip: lock the Lease row FOR UPDATE, one acknowledging UPDATE per exit,
+        COMMIT (a multi-statement query on the host's connection). Each UPDATE carries the
+        fence itself (the Lease row, already locked by this transaction, still names ``term``
+        and is unexpired at that statement's start), so nothing is written under a stale term
+        though the client checks the locked row only after the COMMIT. Per exit: the requested
+        generation its UPDATE reported, or ``_UNMOVED``. StaleTermError if the locked row is
+        not ``term``'s (nothing was written)."""
+        lease_key = term.supervisor_key.encode()
+        fence = (lease_key, term.holder_id.encode(), term.generation)
+        with self._dbapi() as (dbapi_conn, info):
+            cur = dbapi_conn.cursor()
+            parts = [_LEASE_LOCK_SQL]
+            params: list[bytes | int] = [lease_key]
+            bound = self._unbounded(info)
+            if bound is not None:
+                parts.insert(0, bound)
+            for e in exits:
+                parts.append(_FENCED_ACK_SQL)
+                g = e.generation
+                params += [g, e.binding.encode(), e.scope_id.encode(), g, g, e.pending_sequence]
+                params += fence
+            parts.append("COMMIT")
+            cur.execute("; ".join(parts), params)
+            if bound is not None:
+                info["apsup_bounded"] = True
+                cur.nextset()
+            found = cur.fetchone()
+            results: list[object] = []
+            for _ in exits:
+                cur.nextset()
+                results.append(int(cur.lastrowid) if cur.rowcount == 1 else _UNMOVED)
+            cur.nextset()  # the COMMIT's OK: every result read, the connection is usable again
+        if any(r is not _UNMOVED for r in results):
+            return results  # a row moved: the fence held at that statement
+        lease = None
+        if found is not None:
+            lease = LeaseRow(term.supervisor_key, found[0], int(found[1]), found[2])
+        validate(lease, term, None)  # holder and generation (expiry: decided per exit)
+        return results
 
     def _acknowledge(
         self,

@@ -656,10 +656,11 @@ class Host:
         self._next_poll = min(self._next_poll, now + self._poll_interval)
 
     def _deliver_exits(self) -> None:
-        for ex in self.pool.poll():
-            for sup in self.supervisors:
-                if sup.owns(ex.worker_id):
-                    sup.on_exit(ex)
+        exits = list(self.pool.poll())
+        for sup in self.supervisors:
+            mine = [ex for ex in exits if sup.owns(ex.worker_id)]
+            if mine:  # acknowledged together where they ask for it (one transaction)
+                sup.on_exits(mine)
         for sup in self.supervisors:
             sup.retry_classification()
             self._terminate_workers(sup)  # a Worker may have reported the term stale

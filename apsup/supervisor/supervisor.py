@@ -16,7 +16,7 @@ import random
 import signal
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -24,7 +24,7 @@ from typing import Any
 from sqlalchemy import Connection
 
 from apsup.context import ExecutionContext
-from apsup.errors import ProgressConflict, StaleTermError
+from apsup.errors import IntentError, ProgressConflict, StaleTermError
 from apsup.observability.logging import error_fields, exception_message
 from apsup.registry import Family, Reconciler
 from apsup.scheduling import (
@@ -43,6 +43,7 @@ from apsup.scheduling import (
     StartScan,
 )
 from apsup.store import SqlBackend, intents, scans
+from apsup.store.base import AckResult, ExitAck
 from apsup.store.leases import Term
 from apsup.store.operator_state import FamilyControl
 from apsup.store.storage import DESCRIBE, storage_error_kind
@@ -88,6 +89,12 @@ class _Reconciliation:
     token: object = None
     pages: int = 0
     started: float = field(default_factory=time.monotonic)
+
+
+#: A host acknowledgment's result for one exit: (the exit code the Worker would have had, the
+#: requested generation reported by the acknowledging statement or None), or the error that
+#: left it undecided.
+_Acknowledged = tuple[int, int | None] | Exception
 
 
 @dataclass
@@ -606,8 +613,23 @@ class Supervisor:
     def owns(self, worker_id: str) -> bool:
         return worker_id in self.running
 
-    def on_exit(self, ex: WorkerExit) -> None:
-        """A Worker's exit is confirmed: classify it from its code and the durable state.
+    def on_exits(self, exits: Sequence[WorkerExit]) -> None:
+        """Exits confirmed together (one poll of the pool): the acknowledgments they ask the
+        Supervisor for are made in one fenced transaction, then each exit is classified."""
+        asking = [
+            self.running[ex.worker_id]
+            for ex in exits
+            if ex.exitcode == ExitCode.ACKNOWLEDGE
+            and ex.launch_error is None
+            and ex.worker_id in self.running
+        ]
+        done = self._acknowledge_for(asking) if len(asking) > 1 else {}
+        for ex in exits:
+            self.on_exit(ex, done.get(ex.worker_id))
+
+    def on_exit(self, ex: WorkerExit, acknowledged: _Acknowledged | None = None) -> None:
+        """A Worker's exit is confirmed: classify it from its code and the durable state
+        (``acknowledged``: its acknowledgment, already made with others by ``on_exits``).
 
         Classification reads the intent row; if that read fails, the exit is kept and retried
         (``retry_classification``) and the key stays occupied until it can be classified, so a
@@ -627,7 +649,11 @@ class Supervisor:
         try:
             requested: int | None = None
             if ex.exitcode == ExitCode.ACKNOWLEDGE:
-                code, requested = self._acknowledge_for(inv)
+                if acknowledged is None:
+                    acknowledged = self._acknowledge_for([inv])[inv.worker_id]
+                if isinstance(acknowledged, Exception):
+                    raise acknowledged
+                code, requested = acknowledged
                 ex = replace(ex, exitcode=code)
             if requested is not None:  # moved to G by us just now: no read needed
                 handled, more = True, requested > inv.generation
@@ -835,34 +861,51 @@ class Supervisor:
             return True  # unknown: the host's renewal decides
         return True
 
-    def _acknowledge_for(self, inv: Invocation) -> tuple[int, int | None]:
-        """The Worker's processor returned without acknowledging (``ExitCode.ACKNOWLEDGE``):
-        acknowledge G now, fenced by the term that dispatched it, exactly as the Worker's own
-        final transaction would have (idempotent: a retry finds it done). Returns the exit
-        code the Worker would have had (SUCCESS; STALE_TERM when that term is no longer the
-        valid one, and then nothing was written; PROGRESS_CONFLICT when the Scope's row was
-        deleted and recreated; a storage code when the database refused the write), and the
-        row's requested generation when this call moved it to G and the backend read it in the
-        same statement (else None: classification reads the row). Any other error propagates:
-        the exit stays unclassified and this is retried."""
-        fam, key = inv.family, self.term
-        if key is None:
-            return ExitCode.STALE_TERM, None  # no term left to acknowledge under
-        term = Term(key.supervisor_key, key.holder_id, inv.term_generation)
-        try:
-            requested = self.backend.acknowledge_for_exit(
-                term, fam.binding_name, inv.scope_id, inv.generation, inv.pending_sequence
-            )
-        except StaleTermError:
-            return ExitCode.STALE_TERM, None
-        except ProgressConflict:
-            return ExitCode.PROGRESS_CONFLICT, None
-        except Exception as exc:
-            kind = storage_error_kind(exc)
-            if kind is None:
-                raise
-            return STORAGE_EXIT_CODES[kind], None
-        return ExitCode.SUCCESS, requested
+    def _acknowledge_for(self, invs: Sequence[Invocation]) -> dict[str, _Acknowledged]:
+        """The Workers' processors returned without acknowledging (``ExitCode.ACKNOWLEDGE``):
+        acknowledge each G now, fenced by the term that dispatched it, exactly as the Worker's
+        own final transaction would have (idempotent: a retry finds it done); the exits of one
+        term go in one transaction. Per Worker: the exit code it would have had (SUCCESS;
+        STALE_TERM when that term is no longer the valid one, and then nothing was written
+        for it; PROGRESS_CONFLICT when the Scope's row was deleted or recreated; a storage code
+        when the database refused the write), and the row's requested generation when this
+        call moved it to G and the backend read it in the same statement (else None:
+        classification reads the row); or the error that left it undecided (the exit stays
+        unclassified and this is retried)."""
+        out: dict[str, _Acknowledged] = {}
+        key = self.term
+        if key is None:  # no term left to acknowledge under
+            return {inv.worker_id: (ExitCode.STALE_TERM, None) for inv in invs}
+        by_term: dict[int, list[Invocation]] = {}
+        for inv in invs:
+            by_term.setdefault(inv.term_generation, []).append(inv)
+        for generation, group in by_term.items():
+            term = Term(key.supervisor_key, key.holder_id, generation)
+            exits = [
+                ExitAck(inv.family.binding_name, inv.scope_id, inv.generation, inv.pending_sequence)
+                for inv in group
+            ]
+            results: list[AckResult | Exception]
+            try:
+                results = list(self.backend.acknowledge_exits(term, exits))
+            except StaleTermError as exc:
+                results = [exc] * len(group)
+            except Exception as exc:
+                kind = storage_error_kind(exc)
+                results = [exc] * len(group)
+                if kind is not None:
+                    out.update((inv.worker_id, (STORAGE_EXIT_CODES[kind], None)) for inv in group)
+                    continue
+            for inv, result in zip(group, results, strict=True):
+                if isinstance(result, StaleTermError):
+                    out[inv.worker_id] = (ExitCode.STALE_TERM, None)
+                elif isinstance(result, IntentError | ProgressConflict):
+                    out[inv.worker_id] = (ExitCode.PROGRESS_CONFLICT, None)
+                elif isinstance(result, Exception):
+                    out[inv.worker_id] = result
+                else:
+                    out[inv.worker_id] = (ExitCode.SUCCESS, result)
+        return out
 
     def retry_classification(self) -> None:
         """Classify again the exits whose classification failed, when their retry is due."""
