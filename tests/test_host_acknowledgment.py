@@ -317,3 +317,24 @@ def test_a_row_recreated_while_its_worker_ran_is_a_progress_conflict(
             assert sup.failed[fam.name] == 0
     finally:
         backend.dispose()
+
+
+def test_the_dispatch_reads_of_several_scopes_are_one_read(db_url: str) -> None:
+    """What the host reads ahead for the keys it is about to start: each row as a point read
+    would return it, absent rows left out (one statement on MySQL)."""
+    migrate(db_url)
+    backend = open_backend(db_url, control=True)  # the host's backend
+    fam = lf.live_work
+    try:
+        scopes = ["noack.a", "noack.b", "noack.c"]
+        for scope in scopes:
+            request(backend, fam, scope)
+        request(backend, fam, "noack.b")
+        rows = backend.read_intents(fam.binding_name, [*scopes, "noack.absent"])
+        assert sorted(rows) == scopes
+        for scope in scopes:
+            assert rows[scope] == backend.read_intent(fam.binding_name, scope)
+        assert rows["noack.b"].requested_generation == 2
+        assert backend.read_intents(fam.binding_name, []) == {}
+    finally:
+        backend.dispose()

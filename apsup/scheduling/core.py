@@ -644,6 +644,22 @@ class Scheduler:
         else:
             f.request_pass = None
 
+    def peek_ready(self, family: str, extra: int = 0) -> list[str]:
+        """The keys the next dispatches of ``family`` would take, in order, as many as its
+        free budget allows (plus ``extra`` slots about to be freed); none while it is paused.
+        Read-only: the host reads their rows together before it dispatches them."""
+        f = self._family(family)
+        if f.paused:
+            return []
+        room = f.budget - f.running + extra
+        ahead: list[str] = []
+        for scope in f.ready:
+            if len(ahead) >= room:
+                break
+            if scope not in f.parked:
+                ahead.append(scope)
+        return ahead
+
     def on_dispatched(
         self, family: str, scope_id: str, started: bool, token: int | None = None
     ) -> None:

@@ -640,19 +640,32 @@ class MysqlBackend(SqlBackend):
             fairy.close()
 
     def read_intent(self, binding: str, scope_id: str) -> Intent | None:
-        # The host's dispatch read and exit classification (twice per invocation): one
-        # statement on the autocommit read engine's PyMySQL connection is one snapshot, like
-        # the Core read, without SQLAlchemy's result machinery. Time limits are the session's.
+        # The host's dispatch read and exit classification: one statement on the autocommit
+        # read engine's PyMySQL connection is one snapshot, like the Core read, without
+        # SQLAlchemy's result machinery. Time limits are the session's.
         if not self._dbapi_path() or self.read_engine is self.engine:
             return super().read_intent(binding, scope_id)
+        return self._read_rows(binding, [scope_id]).get(scope_id)
+
+    def read_intents(self, binding: str, scope_ids: Sequence[str]) -> dict[str, Intent]:
+        if not self._dbapi_path() or self.read_engine is self.engine:
+            return super().read_intents(binding, scope_ids)
+        return self._read_rows(binding, scope_ids) if scope_ids else {}
+
+    def _read_rows(self, binding: str, scope_ids: Sequence[str]) -> dict[str, Intent]:
+        """One statement (one snapshot, one round trip) for the rows of ``scope_ids``."""
         from pymysql.err import Error as DriverError
 
         self.time_left()  # a leader past its renew deadline calls nothing (raises)
+        statement = _INTENT_SQL
+        if len(scope_ids) > 1:
+            marks = ", ".join(["%s"] * len(scope_ids))
+            statement = statement.replace("scope_id = %s", f"scope_id IN ({marks})")
         fairy = self.read_engine.raw_connection()
         try:
             cur = fairy.driver_connection.cursor()  # type: ignore[union-attr]
-            cur.execute(_INTENT_SQL, (binding.encode(), scope_id.encode()))
-            row = cur.fetchone()
+            cur.execute(statement, (binding.encode(), *(s.encode() for s in scope_ids)))
+            rows = cur.fetchall()
             cur.close()
         except DriverError as exc:
             fairy.invalidate(exc)  # the session's state is unknown after a failed statement
@@ -662,9 +675,10 @@ class MysqlBackend(SqlBackend):
             raise
         finally:
             fairy.close()
-        if row is None:
-            return None
-        return Intent(row[0].decode(), row[1].decode(), *map(int, row[2:]))
+        return {
+            row[1].decode(): Intent(row[0].decode(), row[1].decode(), *map(int, row[2:]))
+            for row in rows
+        }
 
     def _wrapped(self, exc: Exception) -> BaseException:
         """A PyMySQL error as SQLAlchemy raises it (a ``DBAPIError`` subclass; parameters

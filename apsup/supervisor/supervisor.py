@@ -190,6 +190,8 @@ class Supervisor:
         self._establish_due = 0.0
         #: Confirmed exits awaiting classification (their keys stay occupied meanwhile).
         self.unclassified: dict[str, _Unclassified] = {}
+        #: Dispatch reads made ahead within one step: (binding, Scope) -> row (``_dispatch_row``).
+        self._rows: dict[tuple[str, str], intents.Intent | None] = {}
         self._more_due = False  # the last step() stopped at max_steps with decisions left
         #: Families whose last database write was refused by the storage (disk full, read-only,
         #: I/O): an infrastructure condition, degraded until one of their writes succeeds.
@@ -406,6 +408,12 @@ class Supervisor:
         ``until`` (monotonic): stop early once it has passed, so lease renewal is never queued
         behind a long run of discovery statements (the host calls again right after renewing).
         """
+        try:
+            return self._step(max_steps, until)
+        finally:
+            self._rows.clear()  # read ahead for this step's dispatches only
+
+    def _step(self, max_steps: int, until: float | None) -> int:
         done = 0
         self._more_due = False
         if self.handing_off is not None:
@@ -534,7 +542,7 @@ class Supervisor:
         core, term = self.core, self.term
         assert core is not None and term is not None
         fam = self.families[d.family]
-        row = self.backend.read_intent(fam.binding_name, d.scope_id)
+        row = self._dispatch_row(fam, d.scope_id, core)
         if row is None or row.handled_generation >= row.requested_generation:
             # handled >= G: acknowledge completion without running (RFC §5).
             core.on_dispatched(d.family, d.scope_id, False, token=d.token)
@@ -585,6 +593,24 @@ class Supervisor:
             for fd in streams:  # the Worker has its own copies (or there is no Worker)
                 with contextlib.suppress(OSError):
                     os.close(fd)
+
+    def _dispatch_row(self, fam: Family, scope_id: str, core: Scheduler) -> intents.Intent | None:
+        """The dispatch read of ``scope_id``: read now together with the keys the next
+        dispatches of this step will take (one statement on MySQL), or taken from that read.
+
+        A row read a few milliseconds before its launch is as good as one read right before
+        it: no other Worker can acknowledge a READY key (an acknowledgment needs this term,
+        which runs none for it), so ``handled`` cannot move meanwhile; ``requested`` may grow,
+        and a request that arrives during the run is seen at the exit, as always. The rows
+        live until the end of this step."""
+        key = (fam.binding_name, scope_id)
+        if key in self._rows:
+            return self._rows.pop(key)
+        ahead = core.peek_ready(fam.name)
+        rows = self.backend.read_intents(fam.binding_name, [scope_id, *ahead])
+        for other in ahead:
+            self._rows[(fam.binding_name, other)] = rows.get(other)
+        return rows.get(scope_id)
 
     def _launch_failed(self, inv: Invocation, error: str, message: str | None = None) -> None:
         """Nothing started: report a failed invocation so the key backs off and retries."""
