@@ -46,7 +46,12 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _start(args: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+def _start(
+    args: Sequence[str], env: dict[str, str] | None = None, sigint_ignored: bool = False
+) -> subprocess.Popen[str]:
+    def ignore_sigint() -> None:  # as a shell's background job or a CI runner starts it
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
     return subprocess.Popen(
         [sys.executable, "-m", "apsup.cli", "status", *args],
         stdout=subprocess.PIPE,
@@ -54,6 +59,7 @@ def _start(args: Sequence[str], env: dict[str, str] | None = None) -> subprocess
         text=True,
         cwd=REPO_ROOT,
         env=env if env is not None else _env(),
+        preexec_fn=ignore_sigint if sigint_ignored else None,
     )
 
 
@@ -281,9 +287,13 @@ def test_host_status_endpoint_is_merged(backend: Any, db_url: str) -> None:
     assert "alpha: degraded: discovery failed: OperationalError" in out
 
 
-def test_live_view_refreshes_until_interrupted(backend: Any, db_url: str) -> None:
+@pytest.mark.parametrize("inherited", ["sigint-default", "sigint-ignored"])
+def test_live_view_refreshes_until_interrupted(backend: Any, db_url: str, inherited: str) -> None:
+    """Ctrl-C quits the live view, also when its parent started it with SIGINT ignored."""
     seed(backend)
-    proc = _start(["--db", db_url, "--interval", "0.2"])
+    proc = _start(
+        ["--db", db_url, "--interval", "0.2"], sigint_ignored=inherited == "sigint-ignored"
+    )
     assert proc.stdout is not None
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)

@@ -32,7 +32,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -809,6 +811,7 @@ def _run(
 
     tty = out.isatty()
     last: dict[str, Any] | None = None
+    previous = _quit_on_ctrl_c()
     try:
         while True:
             error: str | None = None
@@ -828,3 +831,15 @@ def _run(
         if tty:
             out.write("\n")
         return EXIT_OK
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _quit_on_ctrl_c() -> Any:
+    """Make SIGINT end the live view even when it was started with SIGINT ignored (a shell's
+    background job, a CI runner): the view says "Ctrl-C to quit" and must keep that promise.
+    Returns the handler to restore, None when nothing was installed (not the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGINT, signal.default_int_handler)
