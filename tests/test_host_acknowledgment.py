@@ -16,7 +16,9 @@ own. What must hold:
 - the exits confirmed together are acknowledged together (one fenced transaction; on MySQL one
   round trip), each with its own outcome: moved, already handled, or its claimed row gone;
 - a Scope whose row was deleted and recreated while its Worker ran is a progress conflict: the
-  exit is classified (the key is not held), and the new row is processed.
+  exit is classified (the key is not held), and the new row is processed;
+- the rows of the keys the freed slots will take next are read with the acknowledgments (on
+  MySQL in the same round trip, after the UPDATEs): the dispatch then reads nothing itself.
 """
 
 from __future__ import annotations
@@ -267,13 +269,13 @@ def test_exits_confirmed_together_are_acknowledged_in_one_call(db_url: str, tmp_
         with live_host(db_url, [fam], tmp_path) as b:
             host, sup = b.host, b.host.supervisors[0]
             calls: list[int] = []
-            acknowledge = host.backend.acknowledge_exits
+            acknowledge = host.backend.acknowledge_exits_and_read
 
-            def counting(term: object, exits: list[ExitAck]) -> object:
+            def counting(term: object, exits: list[ExitAck], reads: object) -> object:
                 calls.append(len(exits))
-                return acknowledge(term, exits)  # type: ignore[arg-type]
+                return acknowledge(term, exits, reads)  # type: ignore[arg-type]
 
-            host.backend.acknowledge_exits = counting  # type: ignore[method-assign]
+            host.backend.acknowledge_exits_and_read = counting  # type: ignore[method-assign]
             started = [tmp_path / f"started.{scope}" for scope in scopes]
             cycle_until(host, lambda: all(p.exists() for p in started), 30, "all Workers started")
             pids = [p.read_text() for p in started]
@@ -336,5 +338,100 @@ def test_the_dispatch_reads_of_several_scopes_are_one_read(db_url: str) -> None:
             assert rows[scope] == backend.read_intent(fam.binding_name, scope)
         assert rows["noack.b"].requested_generation == 2
         assert backend.read_intents(fam.binding_name, []) == {}
+    finally:
+        backend.dispose()
+
+
+def test_rows_read_with_the_acknowledgments_are_as_a_point_read_returns_them(
+    db_url: str, backend_name: str
+) -> None:
+    """What ``acknowledge_exits_and_read`` returns beside the acknowledgments: each row read as a
+    point read returns it after the commit, None for an absent one, an exit's own key never
+    (MySQL reads them in the batch; SQLite reads none: its dispatch read costs next to
+    nothing)."""
+    migrate(db_url)
+    backend = open_backend(db_url, control=True)  # the host's backend
+    fam = lf.live_work
+    try:
+        term = backend.claim_term(GLOBAL_KEY, new_holder_id(), 60.0)
+        assert term is not None
+        g = request(backend, fam, "noack.exit")
+        request(backend, fam, "noack.next")
+        request(backend, fam, "noack.next")
+        row = backend.read_intent(fam.binding_name, "noack.exit")
+        assert row is not None
+        exits = [ExitAck(fam.binding_name, "noack.exit", g, row.pending_sequence)]
+        reads = [(fam.binding_name, ["noack.next", "noack.exit", "noack.absent"])]
+        results, rows = backend.acknowledge_exits_and_read(term, exits, reads)
+        assert handled(backend, fam, "noack.exit", g)
+        if backend_name == "mysql":
+            assert results == [g]
+            assert rows == {
+                (fam.binding_name, "noack.next"): backend.read_intent(
+                    fam.binding_name, "noack.next"
+                ),
+                (fam.binding_name, "noack.absent"): None,
+            }
+            assert rows[(fam.binding_name, "noack.next")].requested_generation == 2  # type: ignore[union-attr]
+        else:
+            assert results == [None] and rows == {}
+        backend.release_term(term)
+        with pytest.raises(StaleTermError):  # a stale term reads nothing and writes nothing
+            backend.acknowledge_exits_and_read(term, exits, reads)
+    finally:
+        backend.dispose()
+
+
+def test_the_next_dispatch_row_is_read_with_the_acknowledgment(
+    db_url: str, backend_name: str, tmp_path: Path
+) -> None:
+    """Four Workers hold the family's budget and a fifth key waits: when one exits, the waiting
+    key's row comes with that exit's acknowledgment, and its dispatch reads nothing more on
+    MySQL (on SQLite the dispatch reads it, as before)."""
+    migrate(db_url)
+    backend = open_backend(db_url)
+    fam = lf.live_work  # four Workers at most
+    holding = [f"noackwait.{i}" for i in range(4)]
+    try:
+        for scope in holding:
+            request(backend, fam, scope)
+        nxt = request(backend, fam, "noack.next")
+        with live_host(db_url, [fam], tmp_path) as b:
+            host, sup = b.host, b.host.supervisors[0]
+            started = [tmp_path / f"started.{scope}" for scope in holding]
+            cycle_until(host, lambda: all(p.exists() for p in started), 30, "four Workers started")
+            assert len(sup.running) == 4
+            asked: list[object] = []
+            read: list[str] = []
+            acknowledge = host.backend.acknowledge_exits_and_read
+            read_intents, read_intent = host.backend.read_intents, host.backend.read_intent
+
+            def acknowledging(term: object, exits: object, reads: object) -> object:
+                asked.append(reads)
+                return acknowledge(term, exits, reads)  # type: ignore[arg-type]
+
+            def reading(binding: str, scope_ids: list[str]) -> object:
+                read.extend(scope_ids)
+                return read_intents(binding, scope_ids)
+
+            def reading_one(binding: str, scope_id: str) -> object:
+                read.append(scope_id)
+                return read_intent(binding, scope_id)
+
+            host.backend.acknowledge_exits_and_read = acknowledging  # type: ignore[method-assign]
+            host.backend.read_intents = reading  # type: ignore[method-assign]
+            host.backend.read_intent = reading_one  # type: ignore[method-assign]
+            (tmp_path / "go.noackwait.0").touch()
+            cycle_until(host, lambda: sup.completed[fam.name] == 2, 30, "the fifth key handled")
+            assert asked[0] == [(fam.binding_name, ["noack.next"])]
+            assert handled(backend, fam, "noack.next", nxt)
+            if backend_name == "mysql":
+                assert "noack.next" not in read  # its dispatch took the row read with the ack
+            else:
+                assert "noack.next" in read
+            for scope in holding[1:]:
+                (tmp_path / f"go.{scope}").touch()
+            cycle_until(host, lambda: sup.completed[fam.name] == 5, 30, "all handled")
+            assert sup.failed[fam.name] == 0 and not sup.unclassified
     finally:
         backend.dispose()

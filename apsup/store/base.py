@@ -41,6 +41,9 @@ class ExitAck:
 #: reported, None (the caller reads the row), or why the claimed row could not take it.
 AckResult = int | None | IntentError
 
+#: Rows read beside acknowledgments, by (binding, scope id); None: the row does not exist.
+ReadRows = dict[tuple[str, str], "intents.Intent | None"]
+
 
 def redact_url(url: str) -> str:
     """Drop password and query (which may hold secrets); keep driver, host and database."""
@@ -200,6 +203,18 @@ class SqlBackend:
             return out
 
         return self._retrying(body)
+
+    def acknowledge_exits_and_read(
+        self,
+        term: Term,
+        exits: Sequence[ExitAck],
+        reads: Sequence[tuple[str, Sequence[str]]],
+    ) -> tuple[list[AckResult], ReadRows]:
+        """``acknowledge_exits``, and the intent rows of ``reads`` ((binding, scope ids)) read
+        in the same round trip where the backend can: the host's next dispatch reads, made
+        while it acknowledges the exits that free their slots. The rows returned are those
+        read (a backend may read none: then the dispatch reads them itself)."""
+        return self.acknowledge_exits(term, exits), {}
 
     def time_left(self) -> float | None:
         """Seconds left before ``call_deadline``; raises ``DeadlinePassed`` once it passed."""

@@ -58,7 +58,7 @@ from sqlalchemy.engine.default import DefaultDialect
 from sqlalchemy.exc import DBAPIError, DisconnectionError, IntegrityError
 
 from apsup.errors import ConfigError, DeadlinePassed, IntentError, StaleTermError
-from apsup.store.base import AckResult, ExitAck, SqlBackend
+from apsup.store.base import AckResult, ExitAck, ReadRows, SqlBackend
 from apsup.store.intents import Intent, check_unmoved_acknowledgment
 from apsup.store.leases import (
     GLOBAL_KEY,
@@ -123,6 +123,21 @@ _FENCED_ACK_SQL = _ACK_REPORTING_SQL + (
 _UNMOVED = object()
 #: Appended for an expiring Lease: still unexpired at this statement's start (after the lock).
 _UNEXPIRED = " AND CAST(%s AS DATETIME(6)) > UTC_TIMESTAMP(6)"
+
+
+def _intents_sql(count: int) -> str:
+    """``_INTENT_SQL`` for ``count`` Scope ids of one binding."""
+    if count == 1:
+        return _INTENT_SQL
+    return _INTENT_SQL.replace("scope_id = %s", f"scope_id IN ({', '.join(['%s'] * count)})")
+
+
+def _intent_rows(rows: Sequence[Sequence[Any]]) -> dict[str, Intent]:
+    """``_INTENT_SQL``'s rows (PyMySQL, binary columns) by Scope id."""
+    return {
+        row[1].decode(): Intent(row[0].decode(), row[1].decode(), *map(int, row[2:]))
+        for row in rows
+    }
 
 
 def _error_code(exc: DBAPIError) -> int | None:
@@ -657,10 +672,7 @@ class MysqlBackend(SqlBackend):
         from pymysql.err import Error as DriverError
 
         self.time_left()  # a leader past its renew deadline calls nothing (raises)
-        statement = _INTENT_SQL
-        if len(scope_ids) > 1:
-            marks = ", ".join(["%s"] * len(scope_ids))
-            statement = statement.replace("scope_id = %s", f"scope_id IN ({marks})")
+        statement = _intents_sql(len(scope_ids))
         fairy = self.read_engine.raw_connection()
         try:
             cur = fairy.driver_connection.cursor()  # type: ignore[union-attr]
@@ -675,10 +687,7 @@ class MysqlBackend(SqlBackend):
             raise
         finally:
             fairy.close()
-        return {
-            row[1].decode(): Intent(row[0].decode(), row[1].decode(), *map(int, row[2:]))
-            for row in rows
-        }
+        return _intent_rows(rows)
 
     def _wrapped(self, exc: Exception) -> BaseException:
         """A PyMySQL error as SQLAlchemy raises it (a ``DBAPIError`` subclass; parameters
@@ -716,9 +725,17 @@ class MysqlBackend(SqlBackend):
         return moved
 
     def acknowledge_exits(self, term: Term, exits: Sequence[ExitAck]) -> list[AckResult]:
+        return self.acknowledge_exits_and_read(term, exits, ())[0]
+
+    def acknowledge_exits_and_read(
+        self,
+        term: Term,
+        exits: Sequence[ExitAck],
+        reads: Sequence[tuple[str, Sequence[str]]],
+    ) -> tuple[list[AckResult], ReadRows]:
         if not (self._dbapi_path() and self._multi_statements):
-            return super().acknowledge_exits(term, exits)
-        results = self._retrying(lambda: self._acknowledge_batch(term, exits))
+            return super().acknowledge_exits_and_read(term, exits, reads)
+        results, rows = self._retrying(lambda: self._acknowledge_batch(term, exits, reads))
         for i, result in enumerate(results):
             if result is not _UNMOVED:
                 continue
@@ -732,18 +749,28 @@ class MysqlBackend(SqlBackend):
                 results[i] = requested if moved else None
             except (IntentError, StaleTermError) as exc:
                 results[i] = exc
-        return cast(list[AckResult], results)
+        return cast(list[AckResult], results), rows
 
-    def _acknowledge_batch(self, term: Term, exits: Sequence[ExitAck]) -> list[object]:
+    def _acknowledge_batch(
+        self,
+        term: Term,
+        exits: Sequence[ExitAck],
+        reads: Sequence[tuple[str, Sequence[str]]],
+    ) -> tuple[list[object], ReadRows]:
         """One round trip: lock the Lease row FOR UPDATE, one acknowledging UPDATE per exit,
-        COMMIT (a multi-statement query on the host's connection). Each UPDATE carries the
-        fence itself (the Lease row, already locked by this transaction, still names ``term``
-        and is unexpired at that statement's start), so nothing is written under a stale term
-        though the client checks the locked row only after the COMMIT. Per exit: the requested
-        generation its UPDATE reported, or ``_UNMOVED``. StaleTermError if the locked row is
-        not ``term``'s (nothing was written)."""
+        one SELECT per binding of ``reads``, COMMIT (a multi-statement query on the host's
+        connection). Each UPDATE carries the fence itself (the Lease row, already locked by
+        this transaction, still names ``term`` and is unexpired at that statement's start), so
+        nothing is written under a stale term though the client checks the locked row only
+        after the COMMIT. Per exit: the requested generation its UPDATE reported, or
+        ``_UNMOVED``; and the rows read (those of an exit's own key left out: an unmoved exit
+        is decided again after this). StaleTermError if the locked row is not ``term``'s
+        (nothing was written)."""
         lease_key = term.supervisor_key.encode()
         fence = (lease_key, term.holder_id.encode(), term.generation)
+        own = {(e.binding, e.scope_id) for e in exits}
+        wanted = [(b, [s for s in ids if (b, s) not in own]) for b, ids in reads]
+        wanted = [(b, ids) for b, ids in wanted if ids]
         with self._dbapi() as (dbapi_conn, info):
             cur = dbapi_conn.cursor()
             parts = [_LEASE_LOCK_SQL]
@@ -756,6 +783,9 @@ class MysqlBackend(SqlBackend):
                 g = e.generation
                 params += [g, e.binding.encode(), e.scope_id.encode(), g, g, e.pending_sequence]
                 params += fence
+            for binding, scope_ids in wanted:
+                parts.append(_intents_sql(len(scope_ids)))
+                params += [binding.encode(), *(s.encode() for s in scope_ids)]
             parts.append("COMMIT")
             cur.execute("; ".join(parts), params)
             if bound is not None:
@@ -766,14 +796,19 @@ class MysqlBackend(SqlBackend):
             for _ in exits:
                 cur.nextset()
                 results.append(int(cur.lastrowid) if cur.rowcount == 1 else _UNMOVED)
+            rows: ReadRows = {}
+            for binding, scope_ids in wanted:
+                cur.nextset()
+                got = _intent_rows(cur.fetchall())
+                rows.update(((binding, s), got.get(s)) for s in scope_ids)
             cur.nextset()  # the COMMIT's OK: every result read, the connection is usable again
         if any(r is not _UNMOVED for r in results):
-            return results  # a row moved: the fence held at that statement
+            return results, rows  # a row moved: the fence held at that statement
         lease = None
         if found is not None:
             lease = LeaseRow(term.supervisor_key, found[0], int(found[1]), found[2])
         validate(lease, term, None)  # holder and generation (expiry: decided per exit)
-        return results
+        return results, rows
 
     def _acknowledge(
         self,

@@ -16,6 +16,7 @@ import random
 import signal
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
@@ -602,7 +603,8 @@ class Supervisor:
         it: no other Worker can acknowledge a READY key (an acknowledgment needs this term,
         which runs none for it), so ``handled`` cannot move meanwhile; ``requested`` may grow,
         and a request that arrives during the run is seen at the exit, as always. The rows
-        live until the end of this step."""
+        (also those read with this cycle's acknowledgments, ``on_exits``) live until the end
+        of this step."""
         key = (fam.binding_name, scope_id)
         if key in self._rows:
             return self._rows.pop(key)
@@ -649,9 +651,24 @@ class Supervisor:
             and ex.launch_error is None
             and ex.worker_id in self.running
         ]
-        done = self._acknowledge_for(asking) if len(asking) > 1 else {}
+        done = self._acknowledge_for(asking, self._reads_after(asking)) if asking else {}
         for ex in exits:
             self.on_exit(ex, done.get(ex.worker_id))
+
+    def _reads_after(self, freeing: Sequence[Invocation]) -> list[tuple[str, list[str]]]:
+        """The keys the dispatches after these exits will take, per binding (the slots they
+        free included): their rows are read in the acknowledgments' round trip, and used by
+        this cycle's step (``_dispatch_row``)."""
+        core, term = self.core, self.term
+        if core is None or term is None:
+            return []
+        freed = Counter(i.family.name for i in freeing if i.term_generation == term.generation)
+        reads = []
+        for name, count in freed.items():
+            ahead = core.peek_ready(name, extra=count)
+            if ahead:
+                reads.append((self.families[name].binding_name, ahead))
+        return reads
 
     def on_exit(self, ex: WorkerExit, acknowledged: _Acknowledged | None = None) -> None:
         """A Worker's exit is confirmed: classify it from its code and the durable state
@@ -887,7 +904,9 @@ class Supervisor:
             return True  # unknown: the host's renewal decides
         return True
 
-    def _acknowledge_for(self, invs: Sequence[Invocation]) -> dict[str, _Acknowledged]:
+    def _acknowledge_for(
+        self, invs: Sequence[Invocation], reads: Sequence[tuple[str, Sequence[str]]] = ()
+    ) -> dict[str, _Acknowledged]:
         """The Workers' processors returned without acknowledging (``ExitCode.ACKNOWLEDGE``):
         acknowledge each G now, fenced by the term that dispatched it, exactly as the Worker's
         own final transaction would have (idempotent: a retry finds it done); the exits of one
@@ -897,7 +916,8 @@ class Supervisor:
         when the database refused the write), and the row's requested generation when this
         call moved it to G and the backend read it in the same statement (else None:
         classification reads the row); or the error that left it undecided (the exit stays
-        unclassified and this is retried)."""
+        unclassified and this is retried). ``reads``: rows to read in the current term's
+        transaction for this cycle's dispatches (kept in ``_rows``)."""
         out: dict[str, _Acknowledged] = {}
         key = self.term
         if key is None:  # no term left to acknowledge under
@@ -913,7 +933,12 @@ class Supervisor:
             ]
             results: list[AckResult | Exception]
             try:
-                results = list(self.backend.acknowledge_exits(term, exits))
+                current = generation == key.generation
+                acked, rows = self.backend.acknowledge_exits_and_read(
+                    term, exits, reads if current else ()
+                )
+                results = list(acked)
+                self._rows.update(rows)
             except StaleTermError as exc:
                 results = [exc] * len(group)
             except Exception as exc:
