@@ -101,13 +101,14 @@ def cycle_for(host: Host, seconds: float, check: Callable[[], None] | None = Non
 
 
 def still_occupied(sup: Supervisor, fam: Family, scope: str) -> Callable[[], None]:
-    """A check for ``cycle_for``: the Scope's exit is not classified yet: its key is still
-    running, its budget slot taken, and nothing was counted."""
+    """A check for ``cycle_for``: the Scope's exit is confirmed but not classified yet: its
+    key is still occupied (no second Worker for it), its budget slot is free again (the
+    Worker is gone), and nothing was counted."""
 
     def check() -> None:
         assert sup.core is not None
-        assert sup.core.key_state(fam.name, scope) is KeyState.RUNNING
-        assert sup.core.running_count(fam.name) == 1
+        assert sup.core.key_state(fam.name, scope) is KeyState.EXITED
+        assert sup.core.running_count(fam.name) == 0
         assert sup.completed[fam.name] == 0 and sup.failed[fam.name] == 0
 
     return check

@@ -17,8 +17,10 @@ own. What must hold:
   round trip), each with its own outcome: moved, already handled, or its claimed row gone;
 - a Scope whose row was deleted and recreated while its Worker ran is a progress conflict: the
   exit is classified (the key is not held), and the new row is processed;
-- the rows of the keys the freed slots will take next are read with the acknowledgments (on
-  MySQL in the same round trip, after the UPDATEs): the dispatch then reads nothing itself.
+- a confirmed exit frees its slot before it is acknowledged (the key stays occupied until
+  then), and the rows of the keys the next freed slots will take are read with the
+  acknowledgments (on MySQL in the same round trip, after the UPDATEs): those dispatches then
+  read nothing themselves.
 """
 
 from __future__ import annotations
@@ -385,9 +387,10 @@ def test_rows_read_with_the_acknowledgments_are_as_a_point_read_returns_them(
 def test_the_next_dispatch_row_is_read_with_the_acknowledgment(
     db_url: str, backend_name: str, tmp_path: Path
 ) -> None:
-    """Four Workers hold the family's budget and a fifth key waits: when one exits, the waiting
-    key's row comes with that exit's acknowledgment, and its dispatch reads nothing more on
-    MySQL (on SQLite the dispatch reads it, as before)."""
+    """Four Workers hold the family's budget and two keys wait. One Worker exits: its slot goes
+    to the first waiting key at once (before the exit is acknowledged), and the row of the
+    second comes with that acknowledgment, for the slot the next exit frees: its dispatch then
+    reads nothing more on MySQL (on SQLite the dispatch reads it, as before)."""
     migrate(db_url)
     backend = open_backend(db_url)
     fam = lf.live_work  # four Workers at most
@@ -395,7 +398,8 @@ def test_the_next_dispatch_row_is_read_with_the_acknowledgment(
     try:
         for scope in holding:
             request(backend, fam, scope)
-        nxt = request(backend, fam, "noack.next")
+        first = request(backend, fam, "noack.next1")
+        second = request(backend, fam, "noack.next2")
         with live_host(db_url, [fam], tmp_path) as b:
             host, sup = b.host, b.host.supervisors[0]
             started = [tmp_path / f"started.{scope}" for scope in holding]
@@ -422,16 +426,17 @@ def test_the_next_dispatch_row_is_read_with_the_acknowledgment(
             host.backend.read_intents = reading  # type: ignore[method-assign]
             host.backend.read_intent = reading_one  # type: ignore[method-assign]
             (tmp_path / "go.noackwait.0").touch()
-            cycle_until(host, lambda: sup.completed[fam.name] == 2, 30, "the fifth key handled")
-            assert asked[0] == [(fam.binding_name, ["noack.next"])]
-            assert handled(backend, fam, "noack.next", nxt)
+            cycle_until(host, lambda: sup.completed[fam.name] == 3, 30, "the waiting keys handled")
+            assert asked[0] == [(fam.binding_name, ["noack.next2"])]
+            assert handled(backend, fam, "noack.next1", first)
+            assert handled(backend, fam, "noack.next2", second)
             if backend_name == "mysql":
-                assert "noack.next" not in read  # its dispatch took the row read with the ack
+                assert "noack.next2" not in read  # its dispatch took the row read with the ack
             else:
-                assert "noack.next" in read
+                assert "noack.next2" in read
             for scope in holding[1:]:
                 (tmp_path / f"go.{scope}").touch()
-            cycle_until(host, lambda: sup.completed[fam.name] == 5, 30, "all handled")
+            cycle_until(host, lambda: sup.completed[fam.name] == 6, 30, "all handled")
             assert sup.failed[fam.name] == 0 and not sup.unclassified
     finally:
         backend.dispose()

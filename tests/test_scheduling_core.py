@@ -114,6 +114,46 @@ def test_never_two_running_workers_for_one_key() -> None:
     assert dispatch(s).reason == "successor"
 
 
+def test_a_confirmed_exit_frees_its_slot_while_its_key_waits_for_the_outcome() -> None:
+    """``on_worker_exited``: the Worker is gone, so its capacity goes to the next key at once;
+    its own key stays occupied (never a second Worker for it) until ``on_worker_exit``."""
+    s = make(spec(max_workers=1))
+    finish_request_pass(s, "a", rows("x", "y"))
+    x = dispatch(s)
+    assert s.decide(T0) is None  # budget 1 used
+    s.on_worker_exited("a", "x", token=x.token + 1)  # another dispatch's exit: ignored
+    assert s.key_state("a", "x") is KeyState.RUNNING and s.running_count("a") == 1
+    s.on_worker_exited("a", "x", token=x.token)
+    assert s.key_state("a", "x") is KeyState.EXITED and s.running_count("a") == 0
+    s.on_worker_exited("a", "x", token=x.token)  # reported twice: counted once
+    assert s.running_count("a") == 0
+    s.verify()
+    assert dispatch(s).scope_id == "y"  # the freed slot, before x's outcome is known
+    s.on_notify("a")  # a new request for x meanwhile: x is busy, not queued again
+    finish_request_pass(s, "a", rows("x"))
+    assert s.key_state("a", "x") is KeyState.EXITED and s.decide(T0) is None
+    s.on_worker_exit("a", "x", Outcome.SUCCESS, more_requested=True, now=T0, token=x.token)
+    assert s.running_count("a") == 1  # y's slot only: x's was released once
+    assert s.key_state("a", "x") is KeyState.READY  # its successor, queued for room
+    assert s.decide(T0) is None  # y holds the budget
+    s.verify()
+    s.on_worker_exit("a", "y", Outcome.SUCCESS, False, T0)
+    assert dispatch(s).scope_id == "x"
+    s.verify()
+
+
+def test_an_exited_key_whose_outcome_is_a_failure_backs_off() -> None:
+    s = make(spec(max_workers=2))
+    finish_request_pass(s, "a", rows("x"))
+    x = dispatch(s)
+    s.on_worker_exited("a", "x", token=x.token)
+    s.on_worker_exit("a", "x", Outcome.FAILURE, False, T0, token=x.token)
+    info = s.key_info("a", "x")
+    assert info is not None and info.state is KeyState.RETRY_WAIT
+    assert info.consecutive_failures == 1 and s.running_count("a") == 0
+    s.verify()
+
+
 def test_type_first_rotation_round_robin_and_full_family_does_not_block_others() -> None:
     s = make(spec("a", max_workers=1), spec("b", max_workers=2), spec("c", max_workers=2))
     for fam in ("a", "b", "c"):

@@ -8,8 +8,9 @@ a term change the core is rebuilt from them with ``restore`` (RFC §8 "Roles and
 
 Vocabulary used below:
 
-* A *key* is a Scope of one family. In memory it is in at most one of ``ready``, ``running`` or
-  ``retry_wait`` (RFC §2); a key in none of them is *free*.
+* A *key* is a Scope of one family. In memory it is in at most one of ``ready``, ``running``,
+  ``exited`` (its Worker is gone, its outcome not yet known) or ``retry_wait`` (RFC §2); a key in
+  none of them is *free*.
 * *Capacity* of a family for discovery: its ready queue has room (``len(ready) < ready_limit``).
   A family whose ready queue is full never discovers (no scan page, no admission, no request
   page, no StartScan); while it also has free Workers it dispatches instead, so "ready full" and
@@ -26,7 +27,10 @@ What the shell must do (the simulation in tests/simulation plays the same role):
   ``started=False`` (G already handled) or ``on_family_error`` (nothing launched).
 * Report ``on_worker_exit`` only once the exit is confirmed, with ``more_requested`` read from the
   store after the exit, and pass the Dispatch ``token``: after a term change an old Worker's
-  exit must never release a key the new term is running.
+  exit must never release a key the new term is running. A shell that learns the outcome later
+  than the exit (it acknowledges or reads the store first) may report ``on_worker_exited`` as
+  soon as the exit is confirmed: the Worker's capacity is then free for the next dispatch while
+  the key itself stays occupied until ``on_worker_exit``.
 * Call ``on_lease_lost`` (or build a new Scheduler) before ``restore`` on a new term.
 * When ``decide`` returns None, sleep until ``next_wakeup`` or the next event (notification,
   Worker exit); on MySQL a bounded poll calls ``on_notify`` for requests from other processes.
@@ -127,6 +131,7 @@ class KeyState(enum.Enum):
 
     READY = "ready"
     RUNNING = "running"
+    EXITED = "exited"  # the Worker is gone (capacity free), its outcome not yet reported
     RETRY_WAIT = "retry_wait"
 
 
@@ -683,10 +688,11 @@ class Scheduler:
         now: datetime,
         token: int | None = None,
     ) -> None:
-        """A Worker's exit was confirmed: release its capacity and apply the failure policy."""
+        """A Worker's exit was confirmed and its outcome is known: release its capacity (unless
+        ``on_worker_exited`` did) and its key, and apply the failure policy."""
         f = self._family(family)
         key = f.keys.get(scope_id)
-        if key is None or key.state is not KeyState.RUNNING:
+        if key is None or key.state not in (KeyState.RUNNING, KeyState.EXITED):
             self.ignored_events += 1
             return
         if token is not None and token != key.token:
@@ -695,9 +701,8 @@ class Scheduler:
         if outcome is Outcome.STALE_TERM:
             self.on_lease_lost()  # the term is gone: nothing in memory is valid any more
             return
-        if isinstance(f.step, Dispatch) and f.step.scope_id == scope_id:
-            f.step = None  # launched and exited before on_dispatched: it did start
-        f.running -= 1
+        if key.state is KeyState.RUNNING:
+            self._release(f, scope_id)
         if outcome is Outcome.SUCCESS:
             key.failures = 0
             if more_requested:
@@ -710,6 +715,27 @@ class Scheduler:
             key.failures += 1
             delay = timedelta(seconds=self._backoff.delay(key.failures, self._rng))
             self._wait(f, scope_id, key, "retry", now + delay)
+
+    def on_worker_exited(self, family: str, scope_id: str, token: int | None = None) -> None:
+        """A Worker's exit was confirmed before its outcome is known: its capacity is free now
+        (the next dispatch need not wait for the acknowledgment or read that decides the
+        outcome), while its key stays occupied, so no second Worker can start for it, until
+        ``on_worker_exit`` reports the outcome."""
+        f = self._family(family)
+        key = f.keys.get(scope_id)
+        if key is None or key.state is not KeyState.RUNNING:
+            self.ignored_events += 1
+            return
+        if token is not None and token != key.token:
+            self.ignored_events += 1
+            return
+        self._release(f, scope_id)
+        key.state = KeyState.EXITED
+
+    def _release(self, f: _Family, scope_id: str) -> None:
+        if isinstance(f.step, Dispatch) and f.step.scope_id == scope_id:
+            f.step = None  # launched and exited before on_dispatched: it did start
+        f.running -= 1
 
     def on_family_error(self, family: str, stage: str, now: datetime) -> None:
         """A discovery/control query of this family failed: abandon the step, postpone the family.
@@ -886,6 +912,7 @@ class Scheduler:
         Raises AssertionError naming the broken invariant.
         """
         ready_state, running_state = KeyState.READY, KeyState.RUNNING
+        exited_state = KeyState.EXITED
         for f in self._families:
             ready: set[str] = set()
             waiting: set[str] = set()
@@ -895,6 +922,8 @@ class Scheduler:
                     ready.add(scope)
                 elif key.state is running_state:
                     running += 1
+                elif key.state is exited_state:
+                    continue  # neither queued nor counted: it waits for its outcome only
                 else:
                     waiting.add(scope)
             queued = [scope for _, _, scope in f.waiting]

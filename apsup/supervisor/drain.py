@@ -32,6 +32,11 @@ DEFAULT_DRAIN_SECONDS = 30.0
 
 
 def _deliver(host: Host) -> None:
+    for sup in host.supervisors:
+        try:
+            sup.classify_exits()  # exits the last cycle kept, if it could not classify them
+        except Exception as exc:
+            log.error("exits not classified", extra={"stage": "classify", **error_fields(exc)})
     for ex in host.pool.poll():
         for sup in host.supervisors:
             if sup.owns(ex.worker_id):

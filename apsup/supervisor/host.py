@@ -570,6 +570,8 @@ class Host:
             until = self._next_renew if self.elected else None
             self._guarded("step", functools.partial(sup.step, until=until), key=sup.key)
             self._terminate_workers(sup)  # the step may have found the term stale
+        # After the dispatches: the Workers that took the freed slots are starting meanwhile.
+        self._guarded("classify", self._classify_exits)
         if self.elected:
             self._note_activity()
         if self.on_cycle is not None:
@@ -656,12 +658,17 @@ class Host:
         self._next_poll = min(self._next_poll, now + self._poll_interval)
 
     def _deliver_exits(self) -> None:
+        """Confirmed exits free their capacity now; they are classified after the step."""
         exits = list(self.pool.poll())
         for sup in self.supervisors:
             mine = [ex for ex in exits if sup.owns(ex.worker_id)]
-            if mine:  # acknowledged together where they ask for it (one transaction)
+            if mine:
                 sup.on_exits(mine)
+
+    def _classify_exits(self) -> None:
         for sup in self.supervisors:
+            # Acknowledged together where they ask for it (one transaction per term).
+            sup.classify_exits()
             sup.retry_classification()
             self._terminate_workers(sup)  # a Worker may have reported the term stale
 
@@ -809,6 +816,9 @@ class Host:
             except Exception as exc:
                 log.warning("membership not removed", extra=error_fields(exc))
         drain(self, self.shutdown_drain)
+        for sup in self.supervisors:
+            with contextlib.suppress(Exception):  # logged per exit when it fails
+                sup.classify_exits()
         for ex in self.pool.terminate_all(self.shutdown_grace):
             for sup in self.supervisors:
                 if sup.owns(ex.worker_id):

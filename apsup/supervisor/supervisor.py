@@ -16,7 +16,6 @@ import random
 import signal
 import time
 import uuid
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
@@ -69,6 +68,10 @@ RECONCILE_LOG_PAGES = 1000
 #: A Worker exit that could not be classified (database error) is retried after this delay,
 #: doubling up to the cap; its key stays occupied meanwhile.
 CLASSIFY_RETRY_INITIAL = 0.1
+#: How long a row read ahead for a dispatch may be used (same term only). A READY key's
+#: ``handled`` cannot move meanwhile (only this term's Workers acknowledge, and none runs for
+#: it); the bound keeps other changes (a request, an operator's action) from ageing in it.
+READ_AHEAD_SECONDS = 1.0
 CLASSIFY_RETRY_MAX = 5.0
 
 
@@ -191,8 +194,11 @@ class Supervisor:
         self._establish_due = 0.0
         #: Confirmed exits awaiting classification (their keys stay occupied meanwhile).
         self.unclassified: dict[str, _Unclassified] = {}
-        #: Dispatch reads made ahead within one step: (binding, Scope) -> row (``_dispatch_row``).
-        self._rows: dict[tuple[str, str], intents.Intent | None] = {}
+        #: Dispatch reads made ahead: (binding, Scope) -> (row, monotonic read time, term
+        #: generation) (``_dispatch_row``; a row is used once, by its term, while fresh).
+        self._rows: dict[tuple[str, str], tuple[intents.Intent | None, float, int]] = {}
+        #: Exits confirmed (capacity freed) and waiting for ``classify_exits``.
+        self._exited: list[WorkerExit] = []
         self._more_due = False  # the last step() stopped at max_steps with decisions left
         #: Families whose last database write was refused by the storage (disk full, read-only,
         #: I/O): an infrastructure condition, degraded until one of their writes succeeds.
@@ -409,12 +415,6 @@ class Supervisor:
         ``until`` (monotonic): stop early once it has passed, so lease renewal is never queued
         behind a long run of discovery statements (the host calls again right after renewing).
         """
-        try:
-            return self._step(max_steps, until)
-        finally:
-            self._rows.clear()  # read ahead for this step's dispatches only
-
-    def _step(self, max_steps: int, until: float | None) -> int:
         done = 0
         self._more_due = False
         if self.handing_off is not None:
@@ -596,23 +596,50 @@ class Supervisor:
                     os.close(fd)
 
     def _dispatch_row(self, fam: Family, scope_id: str, core: Scheduler) -> intents.Intent | None:
-        """The dispatch read of ``scope_id``: read now together with the keys the next
-        dispatches of this step will take (one statement on MySQL), or taken from that read.
+        """The dispatch read of ``scope_id``: taken from a read made ahead (with the keys an
+        earlier dispatch read, or with the last acknowledgments), else read now together with
+        the keys the next dispatches will take (one statement on MySQL).
 
-        A row read a few milliseconds before its launch is as good as one read right before
-        it: no other Worker can acknowledge a READY key (an acknowledgment needs this term,
-        which runs none for it), so ``handled`` cannot move meanwhile; ``requested`` may grow,
-        and a request that arrives during the run is seen at the exit, as always. The rows
-        (also those read with this cycle's acknowledgments, ``on_exits``) live until the end
-        of this step."""
+        A row read a little before its launch is as good as one read right before it: no other
+        Worker can acknowledge a READY key (an acknowledgment needs this term, which runs none
+        for it), so ``handled`` cannot move meanwhile; ``requested`` may grow, and a request
+        that arrives during the run is seen at the exit, as always. A row is used once, only
+        by the term that read it, and only for ``READ_AHEAD_SECONDS``."""
         key = (fam.binding_name, scope_id)
-        if key in self._rows:
-            return self._rows.pop(key)
-        ahead = core.peek_ready(fam.name)
+        cached = self._fresh_row(key)
+        if cached is not None:
+            return cached[0]
+        self._prune_rows()
+        ahead = [k for k in core.peek_ready(fam.name) if (fam.binding_name, k) not in self._rows]
         rows = self.backend.read_intents(fam.binding_name, [scope_id, *ahead])
-        for other in ahead:
-            self._rows[(fam.binding_name, other)] = rows.get(other)
+        self._keep_rows({(fam.binding_name, other): rows.get(other) for other in ahead})
         return rows.get(scope_id)
+
+    def _fresh_row(self, key: tuple[str, str]) -> tuple[intents.Intent | None] | None:
+        """The row read ahead for ``key`` (taken: used once), if this term read it lately."""
+        cached = self._rows.pop(key, None)
+        if cached is None or self.term is None:
+            return None
+        row, at, generation = cached
+        if generation != self.term.generation or time.monotonic() - at > READ_AHEAD_SECONDS:
+            return None
+        return (row,)
+
+    def _keep_rows(self, rows: dict[tuple[str, str], intents.Intent | None]) -> None:
+        if self.term is not None and rows:
+            now, generation = time.monotonic(), self.term.generation
+            self._rows.update((k, (row, now, generation)) for k, row in rows.items())
+
+    def _prune_rows(self) -> None:
+        """Drop the rows read ahead that no dispatch may use any more (old, or another term's)."""
+        now, generation = time.monotonic(), self.term.generation if self.term else None
+        stale = [
+            k
+            for k, (_, at, g) in self._rows.items()
+            if g != generation or now - at > READ_AHEAD_SECONDS
+        ]
+        for k in stale:
+            del self._rows[k]
 
     def _launch_failed(self, inv: Invocation, error: str, message: str | None = None) -> None:
         """Nothing started: report a failed invocation so the key backs off and retries."""
@@ -642,32 +669,67 @@ class Supervisor:
         return worker_id in self.running
 
     def on_exits(self, exits: Sequence[WorkerExit]) -> None:
-        """Exits confirmed together (one poll of the pool): the acknowledgments they ask the
-        Supervisor for are made in one fenced transaction, then each exit is classified."""
+        """Exits confirmed together (one poll of the pool). Each Worker's capacity is free at
+        once (its key stays occupied until the exit is classified), and the exits are kept for
+        ``classify_exits``, which the host calls after this cycle's dispatches: the
+        acknowledgments and reads that decide the outcomes then do not delay the Workers that
+        take the freed slots."""
+        core, term = self.core, self.term
+        for ex in exits:
+            inv = self.running.get(ex.worker_id)
+            if inv is None:
+                continue
+            if (
+                ex.launch_error is None
+                and core is not None
+                and term is not None
+                and term.generation == inv.term_generation
+            ):
+                core.on_worker_exited(inv.family.name, inv.scope_id, token=inv.token)
+            self._exited.append(ex)
+
+    def classify_exits(self) -> None:
+        """Classify the exits ``on_exits`` kept: the acknowledgments they ask the Supervisor
+        for in one fenced transaction (which also reads the rows the next dispatches will
+        take), then each exit. An exit whose classification raised stays queued."""
+        pending = self._exited
+        if not pending:
+            return
         asking = [
             self.running[ex.worker_id]
-            for ex in exits
+            for ex in pending
             if ex.exitcode == ExitCode.ACKNOWLEDGE
             and ex.launch_error is None
             and ex.worker_id in self.running
         ]
-        done = self._acknowledge_for(asking, self._reads_after(asking)) if asking else {}
-        for ex in exits:
-            self.on_exit(ex, done.get(ex.worker_id))
+        done = self._acknowledge_for(asking, self._reads_ahead()) if asking else {}
+        while pending:
+            ex = pending.pop(0)
+            try:
+                self.on_exit(ex, done.pop(ex.worker_id, None))
+            except BaseException:
+                pending.append(ex)  # not lost: classified again at the next call
+                raise
 
-    def _reads_after(self, freeing: Sequence[Invocation]) -> list[tuple[str, list[str]]]:
-        """The keys the dispatches after these exits will take, per binding (the slots they
-        free included): their rows are read in the acknowledgments' round trip, and used by
-        this cycle's step (``_dispatch_row``)."""
-        core, term = self.core, self.term
-        if core is None or term is None:
+    def _reads_ahead(self) -> list[tuple[str, list[str]]]:
+        """Per binding, the keys the dispatches after the running Workers' exits will take
+        (those not read ahead already): their rows are read in the acknowledgments' round trip
+        and used by the dispatches into the slots those exits free (``_dispatch_row``)."""
+        core = self.core
+        if core is None or self.term is None:
             return []
-        freed = Counter(i.family.name for i in freeing if i.term_generation == term.generation)
+        self._prune_rows()
         reads = []
-        for name, count in freed.items():
-            ahead = core.peek_ready(name, extra=count)
+        for name, fam in self.families.items():
+            running = core.running_count(name)
+            if not running:
+                continue
+            binding = fam.binding_name
+            ahead = [
+                k for k in core.peek_ready(name, extra=running) if (binding, k) not in self._rows
+            ]
             if ahead:
-                reads.append((self.families[name].binding_name, ahead))
+                reads.append((binding, ahead))
         return reads
 
     def on_exit(self, ex: WorkerExit, acknowledged: _Acknowledged | None = None) -> None:
@@ -917,7 +979,7 @@ class Supervisor:
         call moved it to G and the backend read it in the same statement (else None:
         classification reads the row); or the error that left it undecided (the exit stays
         unclassified and this is retried). ``reads``: rows to read in the current term's
-        transaction for this cycle's dispatches (kept in ``_rows``)."""
+        transaction for the next dispatches (kept in ``_rows``)."""
         out: dict[str, _Acknowledged] = {}
         key = self.term
         if key is None:  # no term left to acknowledge under
@@ -938,7 +1000,7 @@ class Supervisor:
                     term, exits, reads if current else ()
                 )
                 results = list(acked)
-                self._rows.update(rows)
+                self._keep_rows(rows)
             except StaleTermError as exc:
                 results = [exc] * len(group)
             except Exception as exc:

@@ -200,6 +200,10 @@ class Simulation:
         # families with a request whose notification never reached the current core
         self.unnotified: set[str] = set()
         self.prefilled: set[tuple[str, str, int]] = set()  # admissions of the earlier process
+        # Exits confirmed (capacity freed) whose outcome the shell reports later, as the host
+        # does after acknowledging them; own RNG, so each seed's other draws stay as they were.
+        self.classify_rng = random.Random(seed ^ 0x5EED)
+        self.classifying: set[int] = set()  # Worker ids
 
     # --- plumbing --------------------------------------------------------------------------------
 
@@ -361,6 +365,8 @@ class Simulation:
             self.worker_commit(event.data)
         elif kind == "exit":
             self.worker_exit(event.data)
+        elif kind == "classify":
+            self.classify(event.data)
         elif kind == "crash":
             if self.cfg.crash_mean:
                 self.at(self.rng.expovariate(1 / self.cfg.crash_mean), "crash")
@@ -650,6 +656,27 @@ class Simulation:
         w.live = False
         key = (w.family, w.scope)
         del self.live[key]
+        assert self.scheduler is not None
+        if self.classify_rng.random() < 0.5:
+            # The exit is confirmed now, its outcome known later: the slot is free meanwhile.
+            self.log(f"w{w.wid} exited; outcome later")
+            self.scheduler.on_worker_exited(w.family, w.scope, token=w.token)
+            self.classifying.add(w.wid)
+            later = (w, outcome, self.scheduler, self.store.term)
+            self.at(self.classify_rng.uniform(0.0, 2.0), "classify", later)
+            return
+        self.report_exit(w, outcome)
+
+    def classify(self, data: tuple[Worker, Outcome, Scheduler, int]) -> None:
+        w, outcome, sched, term = data
+        self.classifying.discard(w.wid)
+        if sched is not self.scheduler or term != self.store.term:
+            self.log(f"w{w.wid} outcome dropped: its term is gone")
+            return  # as the host: an earlier term's exit; the new term recovers from the store
+        self.report_exit(w, outcome)
+
+    def report_exit(self, w: Worker, outcome: Outcome) -> None:
+        key = (w.family, w.scope)
         row = self.store.intents[w.family][w.scope]
         more = row.requested > row.handled
         self.log(f"w{w.wid} exit {outcome.name} more_requested={more}")
@@ -719,6 +746,8 @@ class Simulation:
         """Durable work done and nothing left in the core's memory (a pending retry of an
         already-handled G still has to run and find it handled)."""
         if self.scheduler is None or self.live or self.pending_start is not None:
+            return False
+        if self.classifying:
             return False
         for snap in self.scheduler.snapshot().values():
             if snap.running or snap.ready or snap.retry_wait or snap.request_pass_active:

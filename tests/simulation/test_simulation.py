@@ -171,6 +171,19 @@ MUTANTS: dict[str, tuple[list[tuple[str, str]], str]] = {
         ],
         r"backoff|stranded|did not converge",
     ),
+    "exited key freed before its outcome": (
+        [("        key.state = KeyState.EXITED\n", "        del f.keys[scope_id]\n")],
+        r"backoff|stranded|did not converge|second Worker|but the core has it",
+    ),
+    "exited Worker's capacity released twice": (
+        [
+            (
+                "        if key.state is KeyState.RUNNING:\n            self._release(f, scope_id)",
+                "        if True:\n            self._release(f, scope_id)",
+            )
+        ],
+        r"running|budget",
+    ),
 }
 
 
