@@ -41,6 +41,8 @@ class ExitAck:
 #: reported, None (the caller reads the row), or why the claimed row could not take it.
 AckResult = int | None | IntentError
 
+#: Intent rows to read beside acknowledgments: (binding, scope ids) pairs.
+Reads = Sequence[tuple[str, Sequence[str]]]
 #: Rows read beside acknowledgments, by (binding, scope id); None: the row does not exist.
 ReadRows = dict[tuple[str, str], "intents.Intent | None"]
 
@@ -205,10 +207,7 @@ class SqlBackend:
         return self._retrying(body)
 
     def acknowledge_exits_and_read(
-        self,
-        term: Term,
-        exits: Sequence[ExitAck],
-        reads: Sequence[tuple[str, Sequence[str]]],
+        self, term: Term, exits: Sequence[ExitAck], reads: Reads
     ) -> tuple[list[AckResult], ReadRows]:
         """``acknowledge_exits``, and the intent rows of ``reads`` ((binding, scope ids)) read
         in the same round trip where the backend can: the host's next dispatch reads, made

@@ -58,7 +58,7 @@ from sqlalchemy.engine.default import DefaultDialect
 from sqlalchemy.exc import DBAPIError, DisconnectionError, IntegrityError
 
 from apsup.errors import ConfigError, DeadlinePassed, IntentError, StaleTermError
-from apsup.store.base import AckResult, ExitAck, ReadRows, SqlBackend
+from apsup.store.base import AckResult, ExitAck, ReadRows, Reads, SqlBackend
 from apsup.store.intents import Intent, check_unmoved_acknowledgment
 from apsup.store.leases import (
     GLOBAL_KEY,
@@ -728,10 +728,7 @@ class MysqlBackend(SqlBackend):
         return self.acknowledge_exits_and_read(term, exits, ())[0]
 
     def acknowledge_exits_and_read(
-        self,
-        term: Term,
-        exits: Sequence[ExitAck],
-        reads: Sequence[tuple[str, Sequence[str]]],
+        self, term: Term, exits: Sequence[ExitAck], reads: Reads
     ) -> tuple[list[AckResult], ReadRows]:
         if not (self._dbapi_path() and self._multi_statements):
             return super().acknowledge_exits_and_read(term, exits, reads)
@@ -752,10 +749,7 @@ class MysqlBackend(SqlBackend):
         return cast(list[AckResult], results), rows
 
     def _acknowledge_batch(
-        self,
-        term: Term,
-        exits: Sequence[ExitAck],
-        reads: Sequence[tuple[str, Sequence[str]]],
+        self, term: Term, exits: Sequence[ExitAck], reads: Reads
     ) -> tuple[list[object], ReadRows]:
         """One round trip: lock the Lease row FOR UPDATE, one acknowledging UPDATE per exit,
         one SELECT per binding of ``reads``, COMMIT (a multi-statement query on the host's

@@ -31,12 +31,17 @@ log = logging.getLogger("apsup.host")
 DEFAULT_DRAIN_SECONDS = 30.0
 
 
-def _deliver(host: Host) -> None:
+def classify_kept(host: Host) -> None:
+    """Classify the exits the last cycle kept, if it could not (logged, never raised)."""
     for sup in host.supervisors:
         try:
-            sup.classify_exits()  # exits the last cycle kept, if it could not classify them
+            sup.classify_exits()
         except Exception as exc:
             log.error("exits not classified", extra={"stage": "classify", **error_fields(exc)})
+
+
+def _deliver(host: Host) -> None:
+    classify_kept(host)
     for ex in host.pool.poll():
         for sup in host.supervisors:
             if sup.owns(ex.worker_id):

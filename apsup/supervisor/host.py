@@ -29,7 +29,7 @@ from apsup.scheduling import Backoff
 from apsup.store import SqlBackend, intents, membership, operator_state
 from apsup.store.leases import ModeConflictError, Term, new_holder_id
 from apsup.supervisor.control import ALL, ControlChannel
-from apsup.supervisor.drain import drain
+from apsup.supervisor.drain import classify_kept, drain
 from apsup.supervisor.lease_keeper import LeaseKeeper, default_renew_deadline
 from apsup.supervisor.nudge import NudgeListener
 from apsup.supervisor.placement import Balancer
@@ -816,9 +816,7 @@ class Host:
             except Exception as exc:
                 log.warning("membership not removed", extra=error_fields(exc))
         drain(self, self.shutdown_drain)
-        for sup in self.supervisors:
-            with contextlib.suppress(Exception):  # logged per exit when it fails
-                sup.classify_exits()
+        classify_kept(self)
         for ex in self.pool.terminate_all(self.shutdown_grace):
             for sup in self.supervisors:
                 if sup.owns(ex.worker_id):

@@ -43,7 +43,7 @@ from apsup.scheduling import (
     StartScan,
 )
 from apsup.store import SqlBackend, intents, scans
-from apsup.store.base import AckResult, ExitAck
+from apsup.store.base import AckResult, ExitAck, Reads
 from apsup.store.leases import Term
 from apsup.store.operator_state import FamilyControl
 from apsup.store.storage import DESCRIBE, storage_error_kind
@@ -68,11 +68,11 @@ RECONCILE_LOG_PAGES = 1000
 #: A Worker exit that could not be classified (database error) is retried after this delay,
 #: doubling up to the cap; its key stays occupied meanwhile.
 CLASSIFY_RETRY_INITIAL = 0.1
+CLASSIFY_RETRY_MAX = 5.0
 #: How long a row read ahead for a dispatch may be used (same term only). A READY key's
 #: ``handled`` cannot move meanwhile (only this term's Workers acknowledge, and none runs for
 #: it); the bound keeps other changes (a request, an operator's action) from ageing in it.
 READ_AHEAD_SECONDS = 1.0
-CLASSIFY_RETRY_MAX = 5.0
 
 
 def _reconcile_page(reconcile: Reconciler, fam: Family, token: object, conn: Connection) -> object:
@@ -606,24 +606,13 @@ class Supervisor:
         that arrives during the run is seen at the exit, as always. A row is used once, only
         by the term that read it, and only for ``READ_AHEAD_SECONDS``."""
         key = (fam.binding_name, scope_id)
-        cached = self._fresh_row(key)
-        if cached is not None:
-            return cached[0]
         self._prune_rows()
+        if key in self._rows:
+            return self._rows.pop(key)[0]  # used once
         ahead = [k for k in core.peek_ready(fam.name) if (fam.binding_name, k) not in self._rows]
         rows = self.backend.read_intents(fam.binding_name, [scope_id, *ahead])
         self._keep_rows({(fam.binding_name, other): rows.get(other) for other in ahead})
         return rows.get(scope_id)
-
-    def _fresh_row(self, key: tuple[str, str]) -> tuple[intents.Intent | None] | None:
-        """The row read ahead for ``key`` (taken: used once), if this term read it lately."""
-        cached = self._rows.pop(key, None)
-        if cached is None or self.term is None:
-            return None
-        row, at, generation = cached
-        if generation != self.term.generation or time.monotonic() - at > READ_AHEAD_SECONDS:
-            return None
-        return (row,)
 
     def _keep_rows(self, rows: dict[tuple[str, str], intents.Intent | None]) -> None:
         if self.term is not None and rows:
@@ -967,7 +956,7 @@ class Supervisor:
         return True
 
     def _acknowledge_for(
-        self, invs: Sequence[Invocation], reads: Sequence[tuple[str, Sequence[str]]] = ()
+        self, invs: Sequence[Invocation], reads: Reads = ()
     ) -> dict[str, _Acknowledged]:
         """The Workers' processors returned without acknowledging (``ExitCode.ACKNOWLEDGE``):
         acknowledge each G now, fenced by the term that dispatched it, exactly as the Worker's
