@@ -75,11 +75,16 @@ async def dispose_async_backends() -> None:
 
 def release_before_exit() -> None:
     """What a Worker does with its connections right before ``os._exit``: close those whose
-    server would otherwise log an aborted client; leave the rest to the kernel."""
+    server would otherwise log an aborted client; leave the rest to the kernel.
+
+    A backend with no connection open (the forkserver's warm one, which a processor that
+    needed no session never used) is left alone, and none is dropped from ``_BACKENDS``:
+    closing an empty pool, or freeing the engine the Worker inherited, only writes to its
+    pages (each write copies one) in a process about to exit. A disposed backend stays usable
+    if the same process calls on it again (``invoke.run`` run in-process, as tests do)."""
     for backend in _BACKENDS.values():
-        if backend.close_before_exit:
+        if backend.close_before_exit and backend.connected():
             backend.dispose()
-    _BACKENDS.clear()
 
 
 _TYPES: dict[str, type | tuple[type, ...]] = {

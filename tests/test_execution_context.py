@@ -9,6 +9,9 @@
   and nothing of that transaction commits; acknowledge/mark_clean refuse any other connection.
 - ``mark_clean`` records only the dirty generation of the processor's snapshot and never lowers.
 - A child process rebuilt from the bytes alone commits and acknowledges under the fence.
+- Before its exit, a Worker closes the connections it opened (on MySQL: a goodbye each), and
+  leaves alone a backend it never connected (the forkserver's warm one): it stays cached and
+  usable, and nothing of it is freed or closed in a process about to exit.
 """
 
 from __future__ import annotations
@@ -27,7 +30,13 @@ import orjson
 import pytest
 from sqlalchemy import text
 
-from apsup.context import CONTEXT_VERSION, ExecutionContext, dispose_backends
+from apsup.context import (
+    CONTEXT_VERSION,
+    ExecutionContext,
+    backend_for,
+    dispose_backends,
+    release_before_exit,
+)
 from apsup.errors import ContextError, IntentError, StaleTermError
 from apsup.store import intents, open_backend
 from apsup.store.base import SqlBackend
@@ -451,3 +460,34 @@ def test_wrapper_connection_does_not_cross_a_fork(
     assert _handled(backend) == 1
     # The parent's connection still works (the child neither used nor closed it).
     assert job.already_handled()
+
+
+def test_exit_closes_what_the_worker_opened_and_nothing_else(
+    job: ExecutionContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``release_before_exit`` disposes a backend only if this process holds a connection of
+    it, and only where the server would see an aborted client (``close_before_exit``); the
+    backend stays cached and usable either way."""
+    cached = backend_for(job.database_url)
+    assert job.backend is cached
+    disposed: list[SqlBackend] = []
+    real_dispose = type(cached).dispose
+
+    def counting_dispose(self: SqlBackend) -> None:
+        disposed.append(self)
+        real_dispose(self)
+
+    monkeypatch.setattr(type(cached), "dispose", counting_dispose)
+    assert not cached.connected()  # a Worker whose processor needed no session
+    release_before_exit()
+    assert disposed == [] and backend_for(job.database_url) is cached
+
+    assert not job.already_handled()  # the duplicate check opens the Worker's connection
+    assert cached.connected()
+    release_before_exit()
+    if cached.close_before_exit:
+        assert disposed == [cached] and not cached.connected()
+    else:  # SQLite: the kernel closes the file at exit, with nothing for a server to log
+        assert disposed == [] and cached.connected()
+    assert backend_for(job.database_url) is cached
+    assert job.acknowledge_fenced() is True  # still usable: the same process may go on

@@ -418,6 +418,36 @@ def test_dispose_closes_the_sessions_of_both_engines(backend: SqlBackend, db_url
         host.dispose()
 
 
+def test_a_worker_says_goodbye_to_the_sessions_it_opened(backend: SqlBackend, db_url: str) -> None:
+    """Before its exit a Worker closes its sessions (the server sees a goodbye, not an aborted
+    client); its backend had none before its first statement, and has none after."""
+    from apsup.context import backend_for, release_before_exit
+
+    worker = backend_for(db_url)
+    try:
+        assert not worker.connected()
+        assert worker.handled_generation(FAMILY, SCOPE) == 0  # the Worker's duplicate check
+        assert worker.connected()
+        fairy = worker.engine.raw_connection()
+        session = fairy.driver_connection.thread_id()  # type: ignore[union-attr]
+        fairy.close()
+
+        def still_open() -> bool:
+            with backend.read() as conn:
+                ids = conn.exec_driver_sql("SELECT ID FROM information_schema.PROCESSLIST").all()
+            return session in {int(r[0]) for r in ids}
+
+        assert still_open()
+        release_before_exit()
+        assert not worker.connected()
+        deadline = time.monotonic() + 10
+        while still_open() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not still_open()
+    finally:
+        dispose_backends()
+
+
 def test_sessions_are_set_up_with_a_plain_pymysql_connection_too(
     backend: SqlBackend, db_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

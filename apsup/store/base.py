@@ -277,5 +277,16 @@ class SqlBackend:
     def dispose(self) -> None:
         self.engine.dispose()
 
+    def connected(self) -> bool:
+        """Whether this process holds a connection of this backend (pooled or in use)."""
+        engines = {id(e): e for e in (self.engine, getattr(self, "read_engine", self.engine))}
+        for engine in engines.values():
+            pool: Any = engine.pool
+            if not (hasattr(pool, "checkedin") and hasattr(pool, "checkedout")):
+                return True  # a pool that cannot tell: assume it holds one
+            if pool.checkedin() or pool.checkedout():
+                return True
+        return False
+
 
 __all__ = ["SqlBackend", "read_lease", "redact_url", "validate"]

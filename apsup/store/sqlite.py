@@ -452,6 +452,11 @@ class SqliteBackend(SqlBackend):
             reader.close()
         super().dispose()
 
+    def connected(self) -> bool:
+        pid = os.getpid()
+        own = self._own is not None and self._own_pid == pid
+        return own or (self._reader is not None and self._reader_pid == pid) or super().connected()
+
     def _is_transient(self, exc: DBAPIError) -> bool:
         text = str(exc.orig).lower()
         return "database is locked" in text or "database is busy" in text
