@@ -447,6 +447,7 @@ def mysql_server(url: str | None) -> Iterator[tuple[str, int | None]]:
     server = SeekdbServer().start()
     try:
         assert server.proc is not None
+        server.wait_quiet()  # its start-up work is not the first round's
         yield server.admin_url, server.proc.pid
     finally:
         server.stop()

@@ -202,6 +202,29 @@ class SeekdbServer:
             f"{READY_TIMEOUT_S:.0f} s (last error: {last_error})\n{self.log_tail()}"
         )
 
+    def wait_quiet(self, share: float = 0.05, window: float = 1.0, limit: float = 60.0) -> float:
+        """Wait until the server's own CPU use over ``window`` seconds falls below ``share`` of
+        one CPU (at most ``limit`` seconds); returns the seconds waited.
+
+        A server that has just accepted its first connection keeps bootstrapping in the
+        background for several seconds (about 10 here, at up to 65% of a CPU): a benchmark
+        that starts measuring at once charges that work to its first round."""
+        assert self.proc is not None, "server not started"
+        stat = Path(f"/proc/{self.proc.pid}/stat")
+        tick = os.sysconf("SC_CLK_TCK")
+
+        def cpu() -> float:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / tick
+
+        start = time.monotonic()
+        while time.monotonic() - start < limit:
+            before = cpu()
+            time.sleep(window)
+            if cpu() - before < share * window:
+                break
+        return time.monotonic() - start
+
     def stop(self, keep_logs: bool = False) -> None:
         """SIGTERM, wait up to ``STOP_GRACE_S``, then SIGKILL; remove the data folder.
 

@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import importlib.util
 import json
 import os
 import secrets
+import signal
 import statistics
 import subprocess
 import sys
@@ -309,6 +311,7 @@ def one_run(
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=open(f"{tmp}/driver.err", "wb"),  # noqa: SIM115
+            start_new_session=True,  # its group is killed with it if this script is stopped
         )
         samples = Samples()
         started = time.time()
@@ -330,6 +333,10 @@ def one_run(
                 proc.kill()
                 proc.wait()
         finally:
+            if proc.poll() is None:  # stopped by a signal or an error: no driver left behind
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
             if mysql_db:
                 drop_mysql_db(env["PEERS_MYSQL"], mysql_db)
         if len(marks) < 2:
@@ -382,7 +389,12 @@ def spread(values: list[float]) -> str:
     return f"{fmt(m)} ({fmt(lo)}-{fmt(hi)})"
 
 
+def _stop(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # the cleanup below runs: driver groups, the private server
+
+
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _stop)
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--n", type=int, default=300, help="tasks per drain run")
     parser.add_argument("--rounds", type=int, default=3)
@@ -414,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         from tests.seekdb_server import SeekdbServer
 
         seekdb = SeekdbServer().start()
+        seekdb.wait_quiet()  # its start-up work is not the first round's
         args.mysql = seekdb.admin_url
     env = {
         **os.environ,
