@@ -26,6 +26,7 @@ CI runs one round of each fault per mode; ``APSUP_SOAK=1`` runs ten. The figures
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -69,6 +70,8 @@ class StatusSample:
     at: float  # database time, estimated from the test's clock (seconds since the epoch)
     replica: str
     leaders: dict[str, int]  # key -> generation, for the keys it reports leading
+    #: database time the request was sent: the replica judged its leadership after it
+    asked: float = 0.0
 
 
 def _epoch(dt: datetime) -> float:
@@ -76,8 +79,9 @@ def _epoch(dt: datetime) -> float:
 
 
 class Observer(threading.Thread):
-    """The Lease rows every 50 ms and every replica's ``/status`` every 100 ms, stamped in
-    database time (the test's monotonic clock plus an offset measured against the server)."""
+    """The Lease rows every 50 ms and every replica's ``/status`` every 100 ms (two threads),
+    stamped in database time (the test's monotonic clock plus an offset measured against the
+    server)."""
 
     def __init__(self, cluster: PartitionCluster, keys: list[str]) -> None:
         super().__init__(name="leadership-observer", daemon=True)
@@ -90,6 +94,8 @@ class Observer(threading.Thread):
         #: (key, generation) -> first time seen, as claim time = expires_at - Lease
         self.claimed: dict[tuple[str, int], float] = {}
         self.holders: dict[tuple[str, int], str] = {}
+        #: key -> database times of the successful reads of its Lease row
+        self.reads: dict[str, list[float]] = {}
         self.http_errors = 0
         self.offset = self._measure_offset()
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -105,16 +111,24 @@ class Observer(threading.Thread):
         return (time.monotonic() if mono is None else mono) + self.offset
 
     def run(self) -> None:
+        # /status in a thread of its own: a replica that does not answer (stopped) holds its
+        # round for the request's timeout, and must not hold the Lease reads with it.
+        status = threading.Thread(target=self._status_loop, name="status-sampler", daemon=True)
+        status.start()
         while not self.stop.wait(0.05):
             for key in self.keys:
                 with contextlib.suppress(Exception):
                     self._lease(key)
-            if time.monotonic() >= self._next_status:
-                self._next_status = time.monotonic() + SAMPLE_SECONDS
-                self._status_round()
+        status.join(5)
+
+    def _status_loop(self) -> None:
+        while not self.stop.wait(max(0.0, self._next_status - time.monotonic())):
+            self._next_status = time.monotonic() + SAMPLE_SECONDS
+            self._status_round()
 
     def _lease(self, key: str) -> None:
         view = self.cluster.lease(key)
+        self.reads.setdefault(key, []).append(self.db_time())
         if view is None or not view.holder_id or view.expires_at is None:
             return
         ident = (key, view.generation)
@@ -128,6 +142,7 @@ class Observer(threading.Thread):
         for r in replicas:
             if r.port is None:
                 continue
+            asked = self.db_time()
             try:
                 url = f"http://127.0.0.1:{r.port}/status"
                 with self._opener.open(url, timeout=0.5) as resp:
@@ -141,7 +156,7 @@ class Observer(threading.Thread):
                 for s in body.get("supervisors", [])
                 if s.get("leader") and s.get("generation") is not None
             }
-            self.samples.append(StatusSample(at, r.name, leaders))
+            self.samples.append(StatusSample(at, r.name, leaders, asked))
 
     # -- checks -----------------------------------------------------------------------------
     def two_leaders(self) -> list[str]:
@@ -159,14 +174,40 @@ class Observer(threading.Thread):
         ]
 
     def zombie_samples(self) -> list[str]:
-        """Samples reporting a term as leading after its Lease ran out in database time."""
+        """Samples reporting a term as leading after its Lease ran out in database time.
+
+        Judged from when the request was sent (the replica decided what to answer after it, so
+        a slow answer is not counted late), and only where the Lease row was read between the
+        expiry and that moment: the expiry seen is then the term's last one, not one whose
+        renewals this observer missed while its own reads were failing."""
         out = []
         for s in self.samples:
             for key, gen in s.leaders.items():
                 end = self.expiry.get((key, gen))
-                if end is not None and s.at > end + 0.05:
-                    out.append(f"{s.replica} reported {key}#{gen} {s.at - end:.2f}s after expiry")
+                if end is None or s.asked <= end + 0.05:
+                    continue
+                if not any(end < t <= s.asked for t in self.reads.get(key, ())):
+                    continue
+                out.append(
+                    f"{s.replica} reported {key}#{gen} asked {s.asked - end:.2f}s after expiry "
+                    f"(answered after {s.at - s.asked:.2f}s)"
+                )
         return out
+
+    def unconfirmed_zombies(self) -> int:
+        """Samples after a seen expiry that no Lease read confirms (see ``zombie_samples``)."""
+        count = 0
+        for s in self.samples:
+            for key, gen in s.leaders.items():
+                end = self.expiry.get((key, gen))
+                if end is not None and s.asked > end + 0.05:
+                    count += not any(end < t <= s.asked for t in self.reads.get(key, ()))
+        return count
+
+    def longest_read_gap(self) -> float:
+        """The longest time without a successful read of some key's Lease row (seconds)."""
+        gaps = [b - a for times in self.reads.values() for a, b in itertools.pairwise(times)]
+        return max(gaps, default=0.0)
 
     def last_leading(self, replica: str, key: str, gen: int) -> float | None:
         times = [s.at for s in self.samples if s.replica == replica and s.leaders.get(key) == gen]
@@ -312,6 +353,8 @@ def test_step_down_and_takeover_are_bounded_with_one_leader_in_sight(
             "samples": len(obs.samples),
             "two_leader_rounds": len(two),
             "zombie_samples": len(zombies),
+            "unconfirmed_zombie_samples": obs.unconfirmed_zombies(),
+            "longest_lease_read_gap_s": round(obs.longest_read_gap(), 3),
             "accepted": stream.accepted,
             "leader_kept_after_drop": kept,
         }
