@@ -82,7 +82,5 @@ STORAGE_EXITS: dict[int, str] = {
     ExitCode.STORAGE_IO: "io",
 }
 STORAGE_EXIT_CODES: dict[str, ExitCode] = {
-    "full": ExitCode.STORAGE_FULL,
-    "read_only": ExitCode.STORAGE_READ_ONLY,
-    "io": ExitCode.STORAGE_IO,
+    kind: ExitCode(code) for code, kind in STORAGE_EXITS.items()
 }
