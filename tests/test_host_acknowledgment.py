@@ -15,6 +15,8 @@ own. What must hold:
   once the database accepts it: the processor ran once;
 - the exits confirmed together are acknowledged together (one fenced transaction; on MySQL one
   round trip), each with its own outcome: moved, already handled, or its claimed row gone;
+  an exit's acknowledgment is held briefly while other Workers run, so that the exits that
+  follow share it; with no other Worker running it is made at once;
 - a Scope whose row was deleted and recreated while its Worker ran is a progress conflict: the
   exit is classified (the key is not held), and the new row is processed;
 - a confirmed exit frees its slot before it is acknowledged (the key stays occupied until
@@ -295,6 +297,70 @@ def test_exits_confirmed_together_are_acknowledged_in_one_call(db_url: str, tmp_
         backend.dispose()
 
 
+def test_exits_close_in_time_share_one_acknowledgment_and_a_lone_exit_is_not_held(
+    db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The host holds a confirmed exit's acknowledgment while other Workers run, so that the
+    exits that follow within the hold share its transaction; an exit with no other Worker
+    running is acknowledged at once. (The hold is set long here so the test does not depend
+    on timing, then ended.)"""
+    import apsup.supervisor.supervisor as supervisor_module
+
+    migrate(db_url)
+    backend = open_backend(db_url)
+    fam = lf.live_work  # four Workers at most
+    scopes = ["noackwait.1", "noackwait.2", "noackwait.3"]
+    try:
+        wanted = {scope: request(backend, fam, scope) for scope in scopes}
+        with live_host(db_url, [fam], tmp_path) as b:
+            host, sup = b.host, b.host.supervisors[0]
+            calls: list[int] = []
+            acknowledge = host.backend.acknowledge_exits_and_read
+
+            def counting(term: object, exits: list[ExitAck], reads: object) -> object:
+                calls.append(len(exits))
+                return acknowledge(term, exits, reads)  # type: ignore[arg-type]
+
+            host.backend.acknowledge_exits_and_read = counting  # type: ignore[method-assign]
+            started = [tmp_path / f"started.{scope}" for scope in scopes]
+            cycle_until(host, lambda: all(p.exists() for p in started), 30, "all Workers started")
+            pids = {scope: p.read_text() for scope, p in zip(scopes, started, strict=True)}
+
+            def exit_of(scope: str) -> list[WorkerExit]:
+                (tmp_path / f"go.{scope}").touch()
+                deadline = time.monotonic() + 30
+                while not _gone(pids[scope]):
+                    assert time.monotonic() < deadline, f"{scope} did not exit"
+                    time.sleep(0.02)
+                found: list[WorkerExit] = []
+                while not found:
+                    assert time.monotonic() < deadline, f"{scope}'s exit not confirmed"
+                    found = list(host.pool.poll())
+                    time.sleep(0.01)
+                return found
+
+            monkeypatch.setattr(supervisor_module, "ACK_HOLD_SECONDS", 30.0)
+            sup.on_exits(exit_of("noackwait.1"))
+            sup.classify_exits(hold=True)
+            assert calls == [] and sup.classify_due() is not None  # held: .2 and .3 run
+            sup.on_exits(exit_of("noackwait.2"))
+            sup.classify_exits(hold=True)
+            assert calls == []
+            monkeypatch.setattr(supervisor_module, "ACK_HOLD_SECONDS", 0.0)  # the hold ends
+            assert sup.classify_due() is None
+            sup.classify_exits(hold=True)
+            assert calls == [2]  # both exits, one transaction
+            monkeypatch.setattr(supervisor_module, "ACK_HOLD_SECONDS", 30.0)
+            sup.on_exits(exit_of("noackwait.3"))
+            sup.classify_exits(hold=True)
+            assert calls == [2, 1]  # no other Worker runs: nothing to wait for
+            assert sup.completed[fam.name] == 3
+            assert all(handled(backend, fam, s, g) for s, g in wanted.items())
+            assert sup.failed[fam.name] == 0 and not sup.unclassified
+    finally:
+        backend.dispose()
+
+
 def test_a_row_recreated_while_its_worker_ran_is_a_progress_conflict(
     db_url: str, tmp_path: Path
 ) -> None:
@@ -390,7 +456,9 @@ def test_the_next_dispatch_row_is_read_with_the_acknowledgment(
     """Four Workers hold the family's budget and two keys wait. One Worker exits: its slot goes
     to the first waiting key at once (before the exit is acknowledged), and the row of the
     second comes with that acknowledgment, for the slot the next exit frees: its dispatch then
-    reads nothing more on MySQL (on SQLite the dispatch reads it, as before)."""
+    reads nothing more on MySQL (on SQLite the dispatch reads it, as before). The first
+    waiting key's Worker waits too, so that its exit cannot come within the acknowledgment's
+    hold and take the second key before the acknowledgment reads it."""
     migrate(db_url)
     backend = open_backend(db_url)
     fam = lf.live_work  # four Workers at most
@@ -398,7 +466,7 @@ def test_the_next_dispatch_row_is_read_with_the_acknowledgment(
     try:
         for scope in holding:
             request(backend, fam, scope)
-        first = request(backend, fam, "noack.next1")
+        first = request(backend, fam, "noackwait.next1")
         second = request(backend, fam, "noack.next2")
         with live_host(db_url, [fam], tmp_path) as b:
             host, sup = b.host, b.host.supervisors[0]
@@ -426,9 +494,11 @@ def test_the_next_dispatch_row_is_read_with_the_acknowledgment(
             host.backend.read_intents = reading  # type: ignore[method-assign]
             host.backend.read_intent = reading_one  # type: ignore[method-assign]
             (tmp_path / "go.noackwait.0").touch()
-            cycle_until(host, lambda: sup.completed[fam.name] == 3, 30, "the waiting keys handled")
+            cycle_until(host, lambda: bool(asked), 30, "the first exit acknowledged")
             assert asked[0] == [(fam.binding_name, ["noack.next2"])]
-            assert handled(backend, fam, "noack.next1", first)
+            (tmp_path / "go.noackwait.next1").touch()
+            cycle_until(host, lambda: sup.completed[fam.name] == 3, 30, "the waiting keys handled")
+            assert handled(backend, fam, "noackwait.next1", first)
             assert handled(backend, fam, "noack.next2", second)
             if backend_name == "mysql":
                 assert "noack.next2" not in read  # its dispatch took the row read with the ack

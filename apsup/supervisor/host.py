@@ -668,7 +668,7 @@ class Host:
     def _classify_exits(self) -> None:
         for sup in self.supervisors:
             # Acknowledged together where they ask for it (one transaction per term).
-            sup.classify_exits()
+            sup.classify_exits(hold=True)  # exits close in time share one transaction
             sup.retry_classification()
             self._terminate_workers(sup)  # a Worker may have reported the term stale
 
@@ -773,6 +773,9 @@ class Host:
             due = sup.next_wakeup()
             if due is not None:
                 candidates.append((due - sup.now()).total_seconds())
+            classify = sup.classify_due()
+            if classify is not None:
+                candidates.append(classify - mono)
         deadline = self.pool.next_deadline()
         if deadline is not None:
             candidates.append(deadline - mono)

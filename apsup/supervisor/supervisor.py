@@ -73,6 +73,14 @@ CLASSIFY_RETRY_MAX = 5.0
 #: ``handled`` cannot move meanwhile (only this term's Workers acknowledge, and none runs for
 #: it); the bound keeps other changes (a request, an operator's action) from ageing in it.
 READ_AHEAD_SECONDS = 1.0
+#: How long confirmed exits may wait for the exits of other running Workers before they are
+#: acknowledged and classified: exits a few milliseconds apart share one fenced transaction
+#: (one commit; on MySQL one round trip and one Lease row lock) instead of one each. Their
+#: slots are free meanwhile; only their keys stay occupied that much longer.
+ACK_HOLD_SECONDS = 0.005
+#: Rows read ahead with an acknowledgment: for this many turns of each running Worker's slot,
+#: the dispatches expected before the next acknowledgment (one hold plus its round trip).
+READ_AHEAD_TURNS = 3
 
 
 def _reconcile_page(reconcile: Reconciler, fam: Family, token: object, conn: Connection) -> object:
@@ -197,8 +205,9 @@ class Supervisor:
         #: Dispatch reads made ahead: (binding, Scope) -> (row, monotonic read time, term
         #: generation) (``_dispatch_row``; a row is used once, by its term, while fresh).
         self._rows: dict[tuple[str, str], tuple[intents.Intent | None, float, int]] = {}
-        #: Exits confirmed (capacity freed) and waiting for ``classify_exits``.
+        #: Exits confirmed (capacity freed) and waiting for ``classify_exits``; since when.
         self._exited: list[WorkerExit] = []
+        self._exited_since = 0.0
         self._more_due = False  # the last step() stopped at max_steps with decisions left
         #: Families whose last database write was refused by the storage (disk full, read-only,
         #: I/O): an infrastructure condition, degraded until one of their writes succeeds.
@@ -668,6 +677,8 @@ class Supervisor:
             inv = self.running.get(ex.worker_id)
             if inv is None:
                 continue
+            if not self._exited:
+                self._exited_since = time.monotonic()
             if (
                 ex.launch_error is None
                 and core is not None
@@ -677,13 +688,19 @@ class Supervisor:
                 core.on_worker_exited(inv.family.name, inv.scope_id, token=inv.token)
             self._exited.append(ex)
 
-    def classify_exits(self) -> None:
+    def classify_exits(self, hold: bool = False) -> None:
         """Classify the exits ``on_exits`` kept: the acknowledgments they ask the Supervisor
         for in one fenced transaction (which also reads the rows the next dispatches will
-        take), then each exit. An exit whose classification raised stays queued."""
+        take), then each exit. An exit whose classification raised stays queued. ``hold``
+        (the host's cycle): while other Workers run, not before ``ACK_HOLD_SECONDS`` after
+        the first of them, so that the exits close to it share the transaction."""
         pending = self._exited
         if not pending:
             return
+        if hold and self.classify_due() is not None:
+            gone = {ex.worker_id for ex in pending}
+            if any(w not in gone and w not in self.unclassified for w in self.running):
+                return
         asking = [
             self.running[ex.worker_id]
             for ex in pending
@@ -700,10 +717,20 @@ class Supervisor:
                 pending.append(ex)  # not lost: classified again at the next call
                 raise
 
+    def classify_due(self) -> float | None:
+        """When the held exits are classified at the latest (monotonic); None when none is
+        held, or the hold is over (then the next cycle classifies them, as any other stage's
+        work: a classification that keeps failing does not make the loop spin)."""
+        if not self._exited:
+            return None
+        due = self._exited_since + ACK_HOLD_SECONDS
+        return due if due > time.monotonic() else None
+
     def _reads_ahead(self) -> list[tuple[str, list[str]]]:
-        """Per binding, the keys the dispatches after the running Workers' exits will take
-        (those not read ahead already): their rows are read in the acknowledgments' round trip
-        and used by the dispatches into the slots those exits free (``_dispatch_row``)."""
+        """Per binding, the keys the dispatches after the running Workers' exits will take, for
+        ``READ_AHEAD_TURNS`` turns of each slot (those not read ahead already): their rows are
+        read in the acknowledgments' round trip and used by the dispatches into the slots
+        those exits free until the next acknowledgment (``_dispatch_row``)."""
         core = self.core
         if core is None or self.term is None:
             return []
@@ -715,7 +742,9 @@ class Supervisor:
                 continue
             binding = fam.binding_name
             ahead = [
-                k for k in core.peek_ready(name, extra=running) if (binding, k) not in self._rows
+                k
+                for k in core.peek_ready(name, extra=running * READ_AHEAD_TURNS)
+                if (binding, k) not in self._rows
             ]
             if ahead:
                 reads.append((binding, ahead))
