@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import text
@@ -263,6 +264,19 @@ def _gone(pid: str) -> bool:
     return not Path(f"/proc/{pid}").exists()
 
 
+def _count_acknowledgments(host: Any) -> list[int]:
+    """Per call of the host's acknowledgment transaction, how many exits it carried."""
+    calls: list[int] = []
+    acknowledge = host.backend.acknowledge_exits_and_read
+
+    def counting(term: object, exits: list[ExitAck], reads: object) -> object:
+        calls.append(len(exits))
+        return acknowledge(term, exits, reads)
+
+    host.backend.acknowledge_exits_and_read = counting
+    return calls
+
+
 def test_exits_confirmed_together_are_acknowledged_in_one_call(db_url: str, tmp_path: Path) -> None:
     migrate(db_url)
     backend = open_backend(db_url)
@@ -272,14 +286,7 @@ def test_exits_confirmed_together_are_acknowledged_in_one_call(db_url: str, tmp_
         wanted = {scope: request(backend, fam, scope) for scope in scopes}
         with live_host(db_url, [fam], tmp_path) as b:
             host, sup = b.host, b.host.supervisors[0]
-            calls: list[int] = []
-            acknowledge = host.backend.acknowledge_exits_and_read
-
-            def counting(term: object, exits: list[ExitAck], reads: object) -> object:
-                calls.append(len(exits))
-                return acknowledge(term, exits, reads)  # type: ignore[arg-type]
-
-            host.backend.acknowledge_exits_and_read = counting  # type: ignore[method-assign]
+            calls = _count_acknowledgments(host)
             started = [tmp_path / f"started.{scope}" for scope in scopes]
             cycle_until(host, lambda: all(p.exists() for p in started), 30, "all Workers started")
             pids = [p.read_text() for p in started]
@@ -314,14 +321,7 @@ def test_exits_close_in_time_share_one_acknowledgment_and_a_lone_exit_is_not_hel
         wanted = {scope: request(backend, fam, scope) for scope in scopes}
         with live_host(db_url, [fam], tmp_path) as b:
             host, sup = b.host, b.host.supervisors[0]
-            calls: list[int] = []
-            acknowledge = host.backend.acknowledge_exits_and_read
-
-            def counting(term: object, exits: list[ExitAck], reads: object) -> object:
-                calls.append(len(exits))
-                return acknowledge(term, exits, reads)  # type: ignore[arg-type]
-
-            host.backend.acknowledge_exits_and_read = counting  # type: ignore[method-assign]
+            calls = _count_acknowledgments(host)
             started = [tmp_path / f"started.{scope}" for scope in scopes]
             cycle_until(host, lambda: all(p.exists() for p in started), 30, "all Workers started")
             pids = {scope: p.read_text() for scope, p in zip(scopes, started, strict=True)}
