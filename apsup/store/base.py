@@ -279,8 +279,7 @@ class SqlBackend:
 
     def connected(self) -> bool:
         """Whether this process holds a connection of this backend (pooled or in use)."""
-        engines = {id(e): e for e in (self.engine, getattr(self, "read_engine", self.engine))}
-        for engine in engines.values():
+        for engine in {self.engine, getattr(self, "read_engine", self.engine)}:
             pool: Any = engine.pool
             if not (hasattr(pool, "checkedin") and hasattr(pool, "checkedout")):
                 return True  # a pool that cannot tell: assume it holds one
