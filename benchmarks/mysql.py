@@ -7,7 +7,7 @@
    each of ``--rounds`` rounds (the order flips every round); the MySQL/SQLite drain ratio is
    computed per round and its median reported (target >= 0.8). 1,000 requests by default: a
    300-request drain lasts about half a second, in which single rounds spread 0.51-0.91 on this
-   machine and the leader's first dispatch (20-40 ms on MySQL, 10-15 on SQLite, reported on its
+   machine and the leader's first dispatch (21-27 ms on MySQL, 12-17 on SQLite, reported on its
    own as "first exit") weighs three times as much. CPU per invocation counts the
    host, the forkserver and every Worker, plus the server when this script started it. Host
    statements per invocation are counted on the host's engines (see ``StatementCounter``).
@@ -269,10 +269,10 @@ class Drain:
     host_commands: int
     #: What the Workers sent (MySQL only): SQL commands + pings, and new connections, summed
     worker_commands: int = 0
-    #: Seconds from the started host to its first classified exit (the leader's start-up).
-    first_exit: float = 0.0
     worker_connects: int = 0
     workers_reported: int = 0
+    #: Seconds from the started host to its first classified exit (the leader's start-up).
+    first_exit: float = 0.0
 
     @property
     def rate(self) -> float:
@@ -322,12 +322,13 @@ def drain(
     try:
         host.start()
         start = time.perf_counter()
-        first = 0.0
-        while sup.completed[fam.name] + sup.failed[fam.name] < n:
+        done, first = 0, 0.0
+        while done < n:
             if time.perf_counter() - start > budget:
                 break
             host.cycle(max_wait=1.0)
-            if not first and sup.completed[fam.name] + sup.failed[fam.name]:
+            done = sup.completed[fam.name] + sup.failed[fam.name]
+            if done and not first:
                 first = time.perf_counter() - start
         wall = time.perf_counter() - start
         count, failed = sup.completed[fam.name], sup.failed[fam.name]
@@ -350,9 +351,9 @@ def drain(
         srv,
         commands,
         worker_commands=sum(r[0] + r[1] for r in reports),
-        first_exit=first,
         worker_connects=sum(r[2] for r in reports),
         workers_reported=len(reports),
+        first_exit=first,
     )
 
 
