@@ -491,3 +491,50 @@ def test_exit_closes_what_the_worker_opened_and_nothing_else(
         assert disposed == [] and cached.connected()
     assert backend_for(job.database_url) is cached
     assert job.acknowledge_fenced() is True  # still usable: the same process may go on
+
+
+def test_a_forked_worker_leaves_the_inherited_backend_alone_until_it_connects(
+    job: ExecutionContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The forkserver's situation: its backend connected once (warming) and emptied its pool
+    before forking. A Worker forked from it holds no connection of that backend, so at exit it
+    neither disposes nor even asks the pool; once it opens a session, it closes it (where the
+    server would log an aborted client)."""
+    import os
+
+    cached = backend_for(job.database_url)
+    assert not job.already_handled()  # connected in this process, as the forkserver's warm-up
+    cached.engine.pool.dispose()  # ... and emptied, as it is before any fork
+    disposed: list[SqlBackend] = []
+    real_dispose = type(cached).dispose
+
+    def counting_dispose(self: SqlBackend) -> None:
+        disposed.append(self)
+        real_dispose(self)
+
+    asked: list[SqlBackend] = []
+    real_connected = type(cached).connected
+
+    def counting_connected(self: SqlBackend) -> bool:
+        asked.append(self)
+        return real_connected(self)
+
+    monkeypatch.setattr(type(cached), "dispose", counting_dispose)
+    monkeypatch.setattr(type(cached), "connected", counting_connected)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through its exit code
+        code = 1
+        try:
+            release_before_exit()
+            if disposed or asked:
+                code = 3  # it looked into (or disposed) a backend it never used
+            else:
+                assert not job.already_handled()  # the Worker's own first session
+                release_before_exit()
+                expected = [cached] if cached.close_before_exit else []
+                code = 0 if disposed == expected else 4
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert disposed == []  # the parent disposed nothing either
