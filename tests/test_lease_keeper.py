@@ -67,6 +67,25 @@ def test_the_watchdog_steps_down_without_the_loop_and_a_late_renewal_does_not_re
         keeper.close()
 
 
+def test_a_replaced_term_is_no_longer_valid_though_its_key_is() -> None:
+    """Validity names the term: after a drop and a claim of the next generation, the key is
+    held again but the old generation is not (``/status`` asks by generation)."""
+    clock = Clock()
+    keeper = LeaseKeeper(2.0, lambda key: None, clock=clock)
+    try:
+        keeper.held("global", 100.0, 7)
+        assert keeper.valid("global", 7) and keeper.valid("global")
+        keeper.dropped("global")
+        assert not keeper.valid("global", 7)
+        keeper.held("global", 100.5, 8)
+        assert keeper.valid("global") and keeper.valid("global", 8)
+        assert not keeper.valid("global", 7)
+        keeper.held("global", 101.0)  # a renewal that does not name its term keeps the last
+        assert keeper.valid("global", 8) and not keeper.valid("global", 7)
+    finally:
+        keeper.close()
+
+
 @pytest.mark.parametrize(
     ("lease", "renew", "deadline"),
     [(3.0, 1.0, 1.0), (3.0, 1.0, 3.0), (3.0, 1.0, 0.5), (15.0, 5.0, 16.0)],

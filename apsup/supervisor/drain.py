@@ -69,7 +69,7 @@ def _renew(host: Host) -> bool:
         if not renewed:
             log.warning("drain ended: renewal refused", extra={"supervisor_key": sup.key})
             return False
-        host.keeper.held(sup.key, started)
+        host.keeper.held(sup.key, started, sup.term.generation)
     return True
 
 

@@ -198,7 +198,7 @@ class Host:
             if not self.elected:  # SQLite terms never expire: nothing to keep
                 sup.become_leader(term)
                 return
-            self.keeper.held(sup.key, started)
+            self.keeper.held(sup.key, started, term.generation)
             with self._calls_until(self.keeper.deadline(sup.key)):
                 sup.become_leader(term)  # never raises: a failed establishment is retried
             return
@@ -368,7 +368,7 @@ class Host:
                 with self._calls_until(self.keeper.deadline(sup.key)):
                     renewed = self.backend.renew_term(sup.term, self.lease.lease_seconds)
                     if renewed:
-                        self.keeper.held(sup.key, started)
+                        self.keeper.held(sup.key, started, sup.term.generation)
                         sup.sync_clock(self.backend.renewed_at)  # the renewal read the time
                 if not renewed:
                     sup.lose_leadership("renewal refused")

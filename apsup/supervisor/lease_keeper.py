@@ -60,18 +60,23 @@ class LeaseKeeper:
         self._cond = threading.Condition()
         #: key -> monotonic deadline of the term it holds
         self._deadlines: dict[str, float] = {}
+        #: key -> generation of the term it holds (when the caller named it)
+        self._generations: dict[str, int] = {}
         #: keys whose deadline passed without a renewal (until the loop drops their term)
         self._expired: set[str] = set()
         self._thread: threading.Thread | None = None
         self._closed = False
 
     # -- the loop's side ----------------------------------------------------------------------
-    def held(self, key: str, attempt_started: float) -> None:
-        """A claim or renewal that started at ``attempt_started`` succeeded."""
+    def held(self, key: str, attempt_started: float, generation: int | None = None) -> None:
+        """A claim or renewal (of term ``generation``) that started at ``attempt_started``
+        succeeded."""
         with self._cond:
             if key in self._expired:
                 return  # given up already: the loop drops this term, it is not revived
             self._deadlines[key] = attempt_started + self.renew_deadline
+            if generation is not None:
+                self._generations[key] = generation
             self._cond.notify_all()
         self._ensure_watchdog()
 
@@ -79,6 +84,7 @@ class LeaseKeeper:
         """The term of ``key`` is gone (released, refused, expired): forget it."""
         with self._cond:
             self._deadlines.pop(key, None)
+            self._generations.pop(key, None)
             self._expired.discard(key)
             self._cond.notify_all()
 
@@ -92,10 +98,15 @@ class LeaseKeeper:
         with self._cond:
             return min(self._deadlines.values(), default=None)
 
-    def valid(self, key: str) -> bool:
-        """Whether the term of ``key`` may still act (dispatch, report itself leader)."""
+    def valid(self, key: str, generation: int | None = None) -> bool:
+        """Whether the term of ``key`` may still act (dispatch, report itself leader); with
+        ``generation``, whether that term is the one held: a host that lost a term and claimed
+        the next one in the same loop pass must not vouch for the old one (its status snapshot
+        may still name it until the loop takes the next)."""
         with self._cond:
             due = self._deadlines.get(key)
+            if generation is not None and self._generations.get(key, generation) != generation:
+                return False
             return due is not None and key not in self._expired and self._clock() < due
 
     def expired(self, key: str) -> bool:

@@ -211,19 +211,19 @@ class HostObserver:
 
     def status(self) -> StatusSnapshot:
         """The loop's last snapshot, with leadership judged now: a term past its renew deadline
-        is not reported as leading even while the loop is still blocked (one leader in sight)."""
+        is not reported as leading even while the loop is still blocked, nor is a term the host
+        has since replaced by a newer one it claimed (one leader in sight)."""
         snap, host = self.snapshot, self._host
         if host is None or not host.elected:
             return snap
         sups = snap["supervisors"]
-        if not any(e["leader"] and not host.keeper.valid(e["key"]) for e in sups):
+
+        def leads(e: SupervisorStatus) -> bool:
+            return e["leader"] and host.keeper.valid(e["key"], e["generation"])
+
+        if all(leads(e) == e["leader"] for e in sups):
             return snap
-        return {
-            **snap,
-            "supervisors": [
-                {**e, "leader": e["leader"] and host.keeper.valid(e["key"])} for e in sups
-            ],
-        }
+        return {**snap, "supervisors": [{**e, "leader": leads(e)} for e in sups]}
 
     def _history_of(self, family: str, completed: int, failed: int) -> list[list[int]]:
         """Invocations per minute (succeeded, failed) over the last hour, for the console's
