@@ -534,7 +534,7 @@ def test_restore_always_schedules_a_full_request_pass() -> None:
     s = Scheduler([spec()], rng=random.Random(0))
     assert s.decide(T0) is None  # nothing before a term is established
     s.restore("a", BindingState(T0, 2, False, None))
-    assert s.decide(T0) == FetchRequests("a", 0, 8)  # from the start, as much as fits
+    assert s.decide(T0) == FetchRequests("a", 0, 32)  # from the start, as much as fits
 
 
 def test_dispatch_not_started_frees_the_key() -> None:
@@ -657,7 +657,7 @@ def test_lease_lost_drops_everything_until_restore() -> None:
     assert s.decide(T0) is None and s.next_wakeup(T0) is None
     s.on_worker_exit("a", "x", Outcome.SUCCESS, False, T0)  # old term's exit: ignored
     s.restore("a", BindingState(T0, 1, False, None))
-    assert s.decide(T0) == FetchRequests("a", 0, 8)  # the ready bound, max(8, 2 x budget)
+    assert s.decide(T0) == FetchRequests("a", 0, 32)  # the ready bound, max(32, 4 x budget)
 
 
 def test_restore_refuses_while_workers_are_counted_running() -> None:
@@ -742,8 +742,8 @@ def test_scheduler_rejects_bad_specs() -> None:
         Scheduler([spec("a"), spec("a")], rng=random.Random(0))
     with pytest.raises(ConfigError):
         Scheduler([spec("a", max_workers=0)], rng=random.Random(0))
-    assert spec("a", max_workers=6).queue_limit == 12
-    assert spec("a", max_workers=1).queue_limit == 8
+    assert spec("a", max_workers=16).queue_limit == 64
+    assert spec("a", max_workers=1).queue_limit == 32
 
 
 # --- a due check waits for a free Worker (RFC §2/§4) ---------------------------------------------
