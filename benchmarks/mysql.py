@@ -289,6 +289,11 @@ class Drain:
         return self.server_cpu / max(self.count, 1) * 1000
 
     @property
+    def own_ms(self) -> float:
+        """apsup's own CPU per task: host, forkserver and Workers, the server left out."""
+        return (self.cpu - self.server_cpu) / max(self.count, 1) * 1000
+
+    @property
     def statements_per_inv(self) -> float:
         return self.host_commands / max(self.count, 1)
 
@@ -630,8 +635,9 @@ def report(
             "session's setup included; its handshake is not a command)."
         )
         lines.append("")
+        own = []
         for workers in (2, 8):
-            ratios = []
+            ratios, own_ratios = [], []
             for round_no in range(args.rounds):
                 pair = {
                     r.backend: r
@@ -640,12 +646,26 @@ def report(
                 }
                 if len(pair) == 2:
                     ratios.append(pair["mysql"].rate / pair["sqlite"].rate)
+                    own_ratios.append(pair["mysql"].own_ms / pair["sqlite"].own_ms)
             med = statistics.median(ratios)
             ok = "met" if med >= DRAIN_TARGET else "NOT met"
             verdicts.append(
                 f"- MySQL/SQLite drain at {workers} Workers: {med:.2f} "
                 f"(rounds: {', '.join(f'{x:.2f}' for x in ratios)}); target >= {DRAIN_TARGET}: {ok}"
             )
+            by_kind = {
+                kind: statistics.median(
+                    r.own_ms for r in runs if r.backend == kind and r.workers == workers
+                )
+                for kind in ("mysql", "sqlite")
+            }
+            own.append(
+                f"- apsup's own CPU per task at {workers} Workers (host, forkserver, Workers; "
+                f"the server left out): MySQL {by_kind['mysql']:.2f} ms, SQLite "
+                f"{by_kind['sqlite']:.2f} ms, MySQL/SQLite {statistics.median(own_ratios):.2f} "
+                f"(rounds: {', '.join(f'{x:.2f}' for x in own_ratios)})"
+            )
+        verdicts += own
     if wakes:
         lines += [
             "## Wake-up: request committed by another process -> processor start",
