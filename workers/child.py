@@ -46,7 +46,7 @@ from typing import Any, NoReturn
 from apsup.errors import ContextError, ProgressConflict, StaleTermError
 from apsup.workers import deadline
 from apsup.workers.exit_codes import MAX_TARGET_EXIT_CODE, ExitCode
-from apsup.workers.fds import write_signed
+from apsup.workers.fds import write_signed, write_verdict
 
 Target = Callable[[bytes], Any]
 
@@ -67,6 +67,9 @@ _sigterms = 0
 _loop: asyncio.AbstractEventLoop | None = None
 _main_task: asyncio.Task[Any] | None = None
 _cancelled_by_sigterm = False
+#: Whether the last ``run`` produced its code itself (the target returned it, or this module
+#: mapped an exception to it) rather than taking it from the target's ``SystemExit``.
+_vouched = False
 #: The fds the host passed with this Worker's launch (``WorkerPool.submit(fds=...)``), in
 #: order; the Supervisor passes the Worker's log streams: records, stdout, stderr
 #: (``apsup.observability.worker_logs``). Empty when none were passed.
@@ -177,7 +180,13 @@ def resolve(target: str) -> Target:
 
 def run(target: str, payload: bytes) -> int:
     """Resolve and call ``target(payload)``; map its outcome to an exit code. Never raises
-    ``Exception``; ``WorkerTerminated`` is mapped too."""
+    ``Exception``; ``WorkerTerminated`` is mapped too.
+
+    A code taken from a ``SystemExit`` (``sys.exit(N)`` anywhere below the target, the
+    processor included) is not vouched for (``_vouched``): the host gives it no meaning but
+    "exited with N", so no processor can pass for the wrapper asking to be acknowledged."""
+    global _vouched
+    _vouched = True
     try:
         fn = resolve(target)
     except WorkerTerminated:
@@ -202,6 +211,7 @@ def run(target: str, payload: bytes) -> int:
         _report(target, "rejected its context", exc)
         return ExitCode.BAD_CONTEXT
     except SystemExit as exc:
+        _vouched = False
         result = exc.code if isinstance(exc.code, int) else ExitCode.PROCESSOR_FAILURE
     except Exception as exc:
         _report(target, "failed", exc)
@@ -256,6 +266,11 @@ def main(
     except BaseException as exc:  # pragma: no cover - run() maps everything it can
         _report(target, "crashed", exc)
         code = ExitCode.PROCESSOR_FAILURE
+    if hold_fd is not None and _vouched:
+        try:  # noqa: SIM105 - as above
+            write_verdict(hold_fd, code)
+        except OSError:
+            pass
     _finished_code = code
     _exit(code)
 

@@ -24,6 +24,12 @@ code  name                        Supervisor reaction
 -9    KILLED_SIGKILL              killed after the grace period (or by the OOM killer)
 ====  ==========================  ==============================================================
 
+Codes 3-9 mean what the table says only when the wrapper vouched for them: it writes the code
+it exits with on the launch's hold pipe, a descriptor the processor is never given
+(``WorkerExit.vouched``). A processor's own ``sys.exit(N)`` or ``os._exit(N)`` is a failure
+whatever N is, and exit 0 counts only with the durable acknowledgment
+(``apsup.supervisor.exits``).
+
 Negative values follow ``multiprocess``/``subprocess``: ``-N`` means "killed by signal N"; any
 such value is reported, the two above are just the ones the pool itself sends. Targets may only
 return 0..127 (see ``apsup.workers.child``) so that 128+N and 255 keep their conventional

@@ -35,6 +35,32 @@ def write_signed(fd: int, n: int) -> None:
         data = data[written:]
 
 
+#: A Worker wrapper's verdict on its hold pipe is ``VERDICT_BASE - exit code``: negative, so it
+#: is never mistaken for the pid that precedes it there.
+VERDICT_BASE = -(1 << 32)
+
+
+def write_verdict(fd: int, code: int) -> None:
+    """The wrapper's word for the exit code it is about to exit with (see ``read_verdict``)."""
+    write_signed(fd, VERDICT_BASE - code)
+
+
+def read_verdict(fd: int) -> int | None:
+    """The exit code the Worker's wrapper vouched for on its hold pipe, or None.
+
+    Reads what is there without blocking (the Worker has exited: its records are complete;
+    a grandchild may still hold the write end, so end of file need not have come)."""
+    verdict = None
+    while readable([fd], 0):
+        try:
+            n = read_signed(fd)
+        except (OSError, EOFError):
+            break
+        if n <= VERDICT_BASE:
+            verdict = VERDICT_BASE - n
+    return verdict
+
+
 def read_signed(fd: int) -> int:
     """The next 8-byte integer from ``fd``; ``EOFError`` at end of file."""
     data = b""

@@ -56,6 +56,11 @@ class WorkerExit:
     #: The launch failed and no Worker ran (``pid`` 0): the type of the error, e.g.
     #: ``ForkServerStuck``. Only :meth:`WorkerPool.submit` reports launch failures as exits.
     launch_error: str | None = None
+    #: The Worker's wrapper vouched for ``exitcode`` on the launch's hold pipe, a descriptor
+    #: the processor is never given. Only a vouched code keeps its special meaning (the
+    #: host acknowledging for the Worker, a conflict, a stale term, storage trouble): a
+    #: processor's own ``sys.exit(N)`` or ``os._exit(N)`` is never vouched for.
+    vouched: bool = False
 
     @property
     def reason(self) -> str:

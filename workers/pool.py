@@ -57,7 +57,7 @@ from types import TracebackType
 
 from apsup.errors import ConfigError, WorkerStartError
 from apsup.workers.exit_codes import ExitCode
-from apsup.workers.fds import readable
+from apsup.workers.fds import read_verdict, readable
 from apsup.workers.handles import (
     FORKSERVER_EOF_EXITCODE,
     STOP_CODES,
@@ -628,6 +628,7 @@ class WorkerPool:
         del self._handles[h.worker_id]
         h.reaped = True  # the forkserver (or we, adopted) reaped it: its status is here
         h._popen.close()
+        vouched = h.hold is not None and read_verdict(h.hold) == exitcode
         close_hold(h)
         if not any(other.pid == h.pid for other in self._handles.values()):
             # Stragglers in its group (grandchildren that ignored SIGTERM or were simply
@@ -651,6 +652,7 @@ class WorkerPool:
             duration=at - h.started,
             pid=h.pid,
             terminated=h.terminated,
+            vouched=vouched,
         )
 
     def _adopt(self, h: WorkerHandle) -> bool:

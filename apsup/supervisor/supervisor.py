@@ -47,6 +47,7 @@ from apsup.store.base import AckResult, ExitAck, Reads
 from apsup.store.leases import Term
 from apsup.store.operator_state import FamilyControl
 from apsup.store.storage import DESCRIBE, storage_error_kind
+from apsup.supervisor.exits import ExitFacts, asks_acknowledgment, classify
 from apsup.supervisor.operator_controls import OperatorControls
 from apsup.workers.exit_codes import STORAGE_EXIT_CODES, STORAGE_EXITS, ExitCode
 from apsup.workers.invoke import TARGET
@@ -704,7 +705,7 @@ class Supervisor:
         asking = [
             self.running[ex.worker_id]
             for ex in pending
-            if ex.exitcode == ExitCode.ACKNOWLEDGE
+            if asks_acknowledgment(ex.exitcode, ex.vouched)
             and ex.launch_error is None
             and ex.worker_id in self.running
         ]
@@ -771,13 +772,13 @@ class Supervisor:
         fam = inv.family
         try:
             requested: int | None = None
-            if ex.exitcode == ExitCode.ACKNOWLEDGE:
+            if asks_acknowledgment(ex.exitcode, ex.vouched):
                 if acknowledged is None:
                     acknowledged = self._acknowledge_for([inv])[inv.worker_id]
                 if isinstance(acknowledged, Exception):
                     raise acknowledged
                 code, requested = acknowledged
-                ex = replace(ex, exitcode=code)
+                ex = replace(ex, exitcode=code, vouched=True)  # the host's own word
             if requested is not None:  # moved to G by us just now: no read needed
                 handled, more = True, requested > inv.generation
             else:
@@ -804,38 +805,16 @@ class Supervisor:
             return
         self.unclassified.pop(ex.worker_id, None)
         del self.running[ex.worker_id]
-        stale_but_valid = (
-            ex.exitcode == ExitCode.STALE_TERM
-            and not ex.timed_out
+        stale = ex.vouched and ex.exitcode == ExitCode.STALE_TERM and not ex.timed_out
+        term_valid = (
+            stale
             and self.term is not None
             and self.term.generation == inv.term_generation
             and self._term_still_valid()
         )
-        cause: str | None
-        if handled and (ex.timed_out or ex.exitcode in (ExitCode.SUCCESS, ExitCode.STATUS_LOST)):
-            # Acknowledged: a deadline that passed after the acknowledgment is no timeout;
-            # STATUS_LOST (exit status unknown): the durable acknowledgment decides.
-            outcome, cause = Outcome.SUCCESS, None
-        elif ex.timed_out:
-            outcome, cause = Outcome.TIMEOUT, "timeout"
-        elif ex.exitcode == ExitCode.SUCCESS:
-            outcome, cause = Outcome.FAILURE, "no_ack"  # exit 0 without durable ack
-        elif ex.exitcode == ExitCode.PROGRESS_CONFLICT:
-            outcome, cause = Outcome.CONFLICT, "conflict"
-        elif stale_but_valid:
-            # The Worker saw a stale term but ours stands: not the processor's failure; retry
-            # like a conflict, without growing the key's backoff.
-            outcome, cause = Outcome.CONFLICT, "stale_term"
-        elif ex.exitcode in STORAGE_EXITS:
-            # The database refused the write (disk full ...): retried after the short fixed
-            # delay, no failure counted, the family reported degraded until a write succeeds.
-            outcome, cause = Outcome.CONFLICT, "storage"
-        elif ex.exitcode == ExitCode.STALE_TERM:
-            outcome, cause = Outcome.FAILURE, "stale_term"
-        elif ex.exitcode is not None and ex.exitcode < 0:
-            outcome, cause = Outcome.FAILURE, "crash"
-        else:
-            outcome, cause = Outcome.FAILURE, "failure"
+        outcome, cause = classify(
+            ExitFacts(ex.exitcode, ex.vouched, ex.timed_out, handled, term_valid)
+        )
         self.hooks.on_exit(fam.name, cause, ex.duration)
         if cause == "storage":
             self._storage_failed(fam.name, STORAGE_EXITS[ex.exitcode], "invoke")
@@ -1107,6 +1086,11 @@ def _exit_error(cause: str | None, ex: WorkerExit, timeout: float) -> str:
         except ValueError:
             name = f"signal {ex.signal}"
         return f"the Worker was killed by {name}"
+    if not ex.vouched and ex.exitcode > 0:
+        return (
+            f"the Worker exited with code {ex.exitcode} on its own (sys.exit or os._exit in the "
+            "processor?): an exit status is no acknowledgment, only a return from the processor is"
+        )
     return f"the Worker exited with code {ex.exitcode} ({ex.reason})"
 
 
