@@ -763,3 +763,29 @@ def test_a_due_scan_does_not_start_while_every_worker_is_busy() -> None:
     s.on_worker_exit("a", "busy", Outcome.SUCCESS, False, later)
     d = s.decide(later)  # the exit frees the Worker: the skipped check starts at once
     assert isinstance(d, StartScan) and d.checkpoint == later
+
+
+def test_a_transient_error_costs_its_step_about_one_poll_and_repeats_back_off_bounded() -> None:
+    s = make(spec(max_workers=2), error_delay=0.5, error_delay_max=4.0)
+    finish_request_pass(s, "a", rows("x", "y"))
+    t = T0
+    waits = []
+    for _ in range(6):  # the same dispatch fails again and again
+        d = s.decide(t)
+        assert isinstance(d, Dispatch) and d.scope_id == "x"
+        s.on_family_error("a", "Dispatch", t)
+        assert s.snapshot()["a"].degraded and s.snapshot()["a"].running == 0
+        wake = s.next_wakeup(t)
+        assert wake is not None
+        waits.append((wake - t).total_seconds())
+        assert s.decide(t) is None  # postponed: nothing until the wake-up
+        t = wake
+    assert waits == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
+    d = s.decide(t)
+    assert isinstance(d, Dispatch) and d.scope_id == "x"
+    s.on_dispatched("a", "x", True, token=d.token)  # a step went through: the streak ends
+    assert not s.snapshot()["a"].degraded
+    d = s.decide(t)
+    assert isinstance(d, Dispatch) and d.scope_id == "y"
+    s.on_family_error("a", "Dispatch", t)
+    assert s.next_wakeup(t) == t + timedelta(seconds=0.5)

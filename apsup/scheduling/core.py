@@ -246,6 +246,7 @@ class _Family:
         self.degraded = False
         self.last_error_stage: str | None = None
         self.errors = 0
+        self.error_streak = 0  # errors since the family's last successful step
         self.retry_turn = True  # due retries and discovered keys alternate filling ready room
         self.requests_turn = True  # alternation between request discovery and the scan
         #: The policy failed to compute the next check (exception type); cleared when it can.
@@ -315,7 +316,8 @@ class Scheduler:
         rng: random.Random,
         backoff: Backoff | None = None,
         conflict_delay: float = 5.0,
-        error_delay: float = 30.0,
+        error_delay: float = 0.5,
+        error_delay_max: float | None = None,
     ) -> None:
         names = [spec.name for spec in specs]
         if len(set(names)) != len(names):
@@ -327,14 +329,20 @@ class Scheduler:
                 raise ConfigError(f"family {spec.name!r}: ready_limit must be >= 1")
             if spec.page_size < 1:
                 raise ConfigError(f"family {spec.name!r}: page_size must be >= 1")
-        if conflict_delay < 0 or error_delay < 0:
-            raise ConfigError("conflict_delay and error_delay must be >= 0 seconds")
+        if error_delay_max is None:
+            error_delay_max = max(error_delay, 5.0)
+        if conflict_delay < 0 or error_delay < 0 or error_delay_max < error_delay:
+            raise ConfigError(
+                "conflict_delay and error_delay must be >= 0 seconds, error_delay_max >= "
+                "error_delay"
+            )
         self._families = [_Family(spec) for spec in specs]
         self._by_name = {f.name: f for f in self._families}
         self._rng = rng
         self._backoff = backoff or Backoff()
         self._conflict_delay = timedelta(seconds=conflict_delay)
-        self._error_delay = timedelta(seconds=error_delay)
+        self._error_delay = error_delay
+        self._error_delay_max = error_delay_max
         self._last_served = -1
         self._tokens = itertools.count(1)
         self._tiebreak = itertools.count()
@@ -759,7 +767,12 @@ class Scheduler:
                 f.ready.appendleft(step.scope_id)  # it was at the head; nothing was launched
             else:
                 self._wait(f, step.scope_id, key, key.reason, now)
-        f.postponed_until = now + self._error_delay
+        # A transient error costs its step about one poll; errors in a row wait longer, up to
+        # ``error_delay_max`` (the host keeps it within a renewal interval, so a leader never
+        # sits on its Lease for long while a family with work dispatches nothing).
+        f.error_streak += 1
+        delay = min(self._error_delay_max, self._error_delay * 2 ** min(f.error_streak - 1, 16))
+        f.postponed_until = now + timedelta(seconds=delay)
         f.degraded = True
         f.last_error_stage = stage
         f.errors += 1
@@ -785,6 +798,7 @@ class Scheduler:
             return None
         f.step = None
         f.degraded = False
+        f.error_streak = 0
         return step
 
     def _enqueue(self, f: _Family, scope_id: str, reason: DispatchReason) -> None:

@@ -129,6 +129,8 @@ class Host:
         if self.elected:
             for sup in supervisors:
                 sup.lease_valid = functools.partial(self.keeper.valid, sup.key)
+                # A family whose steps keep failing is retried at least once per renewal.
+                sup.error_delay_max = min(sup.error_delay_max, self.lease.renew_seconds)
             # A frozen leader (SIGSTOP, VM pause) inside a transaction that locks its Lease row
             # must not keep a standby from taking over once the Lease runs out: the server ends
             # such a transaction after the margin between renew deadline and Lease.

@@ -56,6 +56,10 @@ from apsup.workers.pool import WorkerExit, WorkerPool
 log = logging.getLogger("apsup.supervisor")
 
 
+#: A family step that failed (a dropped connection, a lock timeout) is retried after this
+#: delay, doubling while it keeps failing, up to the maximum.
+ERROR_DELAY = 0.5
+ERROR_DELAY_MAX = 5.0
 #: A failed term establishment is retried after this delay, doubling up to the cap.
 ESTABLISH_RETRY_INITIAL = 0.2
 ESTABLISH_RETRY_MAX = 5.0
@@ -187,6 +191,9 @@ class Supervisor:
         #: Whether the held term may still act on this host's own clock (its renew deadline;
         #: set by the host on elected backends, ``apsup.supervisor.lease_keeper``).
         self.lease_valid: Callable[[], bool] = _always
+        #: The longest a family waits after failed steps in a row (the first error costs it
+        #: about one poll); the host lowers it to its renewal interval.
+        self.error_delay_max = ERROR_DELAY_MAX
         self.running: dict[str, Invocation] = {}
         self.clock_offset = timedelta(0)
         self.completed: dict[str, int] = {name: 0 for name in self.families}
@@ -309,6 +316,8 @@ class Supervisor:
             [FamilySpec(f.name, f.policy, f.max_workers) for f in self.families.values()],
             rng=self.rng,
             backoff=self.backoff,
+            error_delay=min(ERROR_DELAY, self.error_delay_max),
+            error_delay_max=self.error_delay_max,
         )
         for name, st in states.items():
             state = BindingState(
@@ -450,6 +459,7 @@ class Supervisor:
             done += 1
             try:
                 self._execute(decision)
+                self.degraded.pop(decision.family, None)  # its step went through
                 if isinstance(decision, StartScan | Admit | EndScan):
                     self._storage_ok(decision.family)  # a write went through
             except StaleTermError as exc:
@@ -514,7 +524,6 @@ class Supervisor:
                     conn, fam.binding_name, d.after_sequence, d.upper_sequence, d.limit
                 )
             self.hooks.observe_discovery(d.family, time.perf_counter() - t0)
-            self.degraded.pop(d.family, None)
             core.on_scan_page(
                 d.family,
                 d.scan_generation,
@@ -540,7 +549,6 @@ class Supervisor:
             with self.backend.read() as conn:
                 rows2 = intents.request_page(conn, fam.binding_name, d.after_sequence, d.limit)
             self.hooks.observe_discovery(d.family, time.perf_counter() - t0)
-            self.degraded.pop(d.family, None)
             core.on_request_page(
                 d.family, [RequestRow(s, seq) for s, seq in rows2], len(rows2) < d.limit
             )
@@ -577,8 +585,7 @@ class Supervisor:
             settings=self.worker_settings,
             host_acknowledges=True,  # the read above was the duplicate check
         )
-        core.on_dispatched(d.family, d.scope_id, True, token=d.token)
-        self.running[worker_id] = Invocation(
+        inv = Invocation(
             fam,
             d.scope_id,
             row.requested_generation,
@@ -589,21 +596,36 @@ class Supervisor:
             term.generation,
             row.pending_sequence,
         )
-        self.hooks.on_dispatch(d.family)
-        fields = _success_fields(self.running[worker_id], 0.0)
-        ctx.trace_context = self.hooks.invocation_started(worker_id, fields)
-        streams = self.hooks.launch_streams(worker_id, fields)
+        fields = _success_fields(inv, 0.0)
+        streams: tuple[int, ...] = ()
+        try:
+            # Everything that may raise before the launch runs before the core is told:
+            # an error here leaves the Dispatch in flight, and ``step`` undoes it whole (the
+            # key goes back to the head of the ready queue, no capacity is held).
+            ctx.trace_context = self.hooks.invocation_started(worker_id, fields)
+            streams = self.hooks.launch_streams(worker_id, fields)
+            payload = ctx.to_bytes()
+        except BaseException:
+            _close_fds(streams)
+            with contextlib.suppress(Exception):
+                self.hooks.invocation_ended(worker_id, "launch")
+            raise
+        core.on_dispatched(d.family, d.scope_id, True, token=d.token)
+        self.running[worker_id] = inv
         try:
             # Sent, not waited for: the pool reads the pid when the forkserver reports it (the
             # host's wait set has its sentinel), so the loop goes on dispatching and handling
             # exits meanwhile; a launch that fails later comes back as an exit (``on_exit``).
-            self.pool.submit(worker_id, TARGET, ctx.to_bytes(), fam.timeout, streams)
+            self.pool.submit(worker_id, TARGET, payload, fam.timeout, streams)
         except Exception as exc:
-            self._launch_failed(self.running[worker_id], type(exc).__name__, exception_message(exc))
+            self._launch_failed(inv, type(exc).__name__, exception_message(exc))
+            return
         finally:
-            for fd in streams:  # the Worker has its own copies (or there is no Worker)
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+            _close_fds(streams)  # the Worker has its own copies (or there is no Worker)
+        try:
+            self.hooks.on_dispatch(d.family)
+        except Exception as exc:  # a metrics hook must not turn a launched Worker into an error
+            log.error("dispatch hook failed", extra={"family": d.family, **error_fields(exc)})
 
     def _dispatch_row(self, fam: Family, scope_id: str, core: Scheduler) -> intents.Intent | None:
         """The dispatch read of ``scope_id``: taken from a read made ahead (with the keys an
@@ -1109,3 +1131,9 @@ def _success_fields(inv: Invocation, duration: float) -> dict[str, Any]:
 
 def _always() -> bool:
     return True
+
+
+def _close_fds(fds: Sequence[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
