@@ -261,6 +261,16 @@ class _Family:
         that frees one is the event that starts the check, at once."""
         return self.running + len(self.ready) < self.budget
 
+    def scan_held_back(self, now: datetime) -> bool:
+        """A due check waits for a free Worker. Meanwhile nothing new enters the ready queue
+        (request pages, due retries, successors): the queue drains through dispatches and the
+        check starts at the first exit after that, within ``limit + budget`` dispatches, so
+        no request stream can starve automatic checks (RFC §2 fairness)."""
+        if self.scan is not None or self.can_start_scan():
+            return False
+        due = self.next_due(now)
+        return due is not None and due <= now
+
     def next_due(self, now: datetime) -> datetime | None:
         """``policy.next_due(checkpoint, now)``, memoised per checkpoint.
 
@@ -429,7 +439,7 @@ class Scheduler:
                 return self._dispatch(f)
             if f.scan is not None and f.scan.ending:
                 return EndScan(f.name, f.scan.generation)  # ends regardless of capacity
-            if not f.has_room():
+            if not f.has_room() or f.scan_held_back(now):
                 return None
             discovery = self._discovery(f, now)
             retry_due = bool(f.waiting) and f.waiting[0][0] <= now
@@ -812,7 +822,7 @@ class Scheduler:
         self, f: _Family, scope_id: str, key: _Key, reason: DispatchReason, now: datetime
     ) -> None:
         key.reason = reason
-        if f.has_room():
+        if f.has_room() and not f.scan_held_back(now):
             key.state = KeyState.READY
             f.ready.append(scope_id)
         else:
@@ -849,8 +859,8 @@ class Scheduler:
                 continue
             if f.step is not None:
                 continue  # its event wakes us
-            if not f.has_room():
-                continue  # time cannot create ready room; an exit or dispatch will
+            if not f.has_room() or f.scan_held_back(now):
+                continue  # time cannot create ready room or free a Worker; an exit will
             if f.waiting:
                 consider(max(f.waiting[0][0], now))
             if f.scan is None and f.can_start_scan():  # else a Worker exit wakes us

@@ -156,7 +156,11 @@ MUTANTS: dict[str, tuple[list[tuple[str, str]], str]] = {
     ),
     "discovery without capacity": (
         [
-            ("            if not f.has_room():\n                return None\n", ""),
+            (
+                "            if not f.has_room() or f.scan_held_back(now):\n"
+                "                return None\n",
+                "",
+            ),
             ("min(f.spec.page_size, wanted)", "f.spec.page_size"),  # the page's own clamp
             ("not f.request_pass.paused or 2 * len(f.ready) <= f.limit", "True"),  # refill gate
         ],
