@@ -137,16 +137,28 @@ def record_success(conn: Connection, binding: str, scope_id: str) -> None:
     )
 
 
-def clear_requests(conn: Connection, binding: str, scope_ids: Iterable[str]) -> None:
-    """The leader acted on these Scopes' retry/stop requests."""
-    chosen = sorted(set(scope_ids))
-    if not chosen:
-        return
-    conn.execute(
-        update(scope_states)
-        .where(scope_states.c.binding_name == binding, scope_states.c.scope_id.in_(chosen))
-        .values(retry_requested=False, stop_requested=False)
-    )
+def clear_requests(
+    conn: Connection, binding: str, *, retried: Iterable[str] = (), stopped: Iterable[str] = ()
+) -> None:
+    """The leader acted on these Scopes' retry (``retried``) and stop (``stopped``) requests.
+
+    Each flag is cleared only where it was read set and acted on: a stop an operator commits
+    after the leader read a retry survives the retry's clearing (and its version bump makes the
+    leader read it at its next poll)."""
+    for flag, scopes in (("retry_requested", retried), ("stop_requested", stopped)):
+        chosen = sorted(set(scopes))
+        if not chosen:
+            continue
+        column = scope_states.c[flag]
+        conn.execute(
+            update(scope_states)
+            .where(
+                scope_states.c.binding_name == binding,
+                scope_states.c.scope_id.in_(chosen),
+                column.is_(True),
+            )
+            .values({flag: False})
+        )
 
 
 # --- reads -----------------------------------------------------------------------------------

@@ -74,8 +74,8 @@ class FailingScope:
         }
 
 
-def _clear(conn: Connection, *, binding: str, scopes: list[str]) -> None:
-    operator_state.clear_requests(conn, binding, scopes)
+def _clear(conn: Connection, *, binding: str, retried: list[str], stopped: list[str]) -> None:
+    operator_state.clear_requests(conn, binding, retried=retried, stopped=stopped)
 
 
 def _iso(value: datetime | None) -> str | None:
@@ -143,26 +143,29 @@ class OperatorControls:
             core.set_parked(name, self.parked[name])
             for scope_id, view in list(self.failing[name].items()):
                 self.failing[name][scope_id] = replace(view, parked=scope_id in self.parked[name])
-            acted: list[str] = []
+            retried: list[str] = []
+            stopped: list[str] = []
             for s in held:
                 if s.retry_requested:
                     core.retry_now(name, s.scope_id, now)
-                    acted.append(s.scope_id)
+                    retried.append(s.scope_id)
                     log.warning(
                         "retry requested by the operator",
                         extra={"family": name, "scope": s.scope_id, "parked": s.parked},
                     )
                 if s.stop_requested:
                     running = stop(name, s.scope_id)
-                    acted.append(s.scope_id)
+                    stopped.append(s.scope_id)
                     log.warning(
                         "stop requested by the operator",
                         extra={"family": name, "scope": s.scope_id, "running": running},
                     )
-            if acted:
-                self.backend.run_fenced(
-                    term, functools.partial(_clear, binding=fam.binding_name, scopes=acted)
+            if retried or stopped:
+                # Only what was read and acted on is cleared (see ``clear_requests``).
+                clear = functools.partial(
+                    _clear, binding=fam.binding_name, retried=retried, stopped=stopped
                 )
+                self.backend.run_fenced(term, clear)
             self.versions[name] = version
 
     # -- failure state ----------------------------------------------------------------------------
