@@ -709,9 +709,15 @@ class Scheduler:
         more_requested: bool,
         now: datetime,
         token: int | None = None,
+        prior_failures: int = 0,
     ) -> None:
         """A Worker's exit was confirmed and its outcome is known: release its capacity (unless
-        ``on_worker_exited`` did) and its key, and apply the failure policy."""
+        ``on_worker_exited`` did) and its key, and apply the failure policy.
+
+        ``prior_failures``: the Scope's consecutive failures recorded durably before this term
+        (the shell passes them at its first failure in the term): the count and the backoff
+        continue from there instead of starting again at every restart or takeover (RFC §7:
+        the first retry after a takeover may be immediate, then the sequence is rebuilt)."""
         f = self._family(family)
         key = f.keys.get(scope_id)
         if key is None or key.state not in (KeyState.RUNNING, KeyState.EXITED):
@@ -734,7 +740,7 @@ class Scheduler:
         elif outcome is Outcome.CONFLICT:
             self._wait(f, scope_id, key, "conflict", now + self._conflict_delay)
         else:  # FAILURE, TIMEOUT
-            key.failures += 1
+            key.failures = max(key.failures, prior_failures) + 1
             delay = timedelta(seconds=self._backoff.delay(key.failures, self._rng))
             self._wait(f, scope_id, key, "retry", now + delay)
 

@@ -216,6 +216,26 @@ class OperatorControls:
                 extra={"family": family, "scope": scope_id, **error_fields(exc)},
             )
 
+    def prior_failures(self, family: str, scope_id: str) -> int:
+        """The Scope's consecutive failures as recorded (by this term or an earlier one): from
+        memory when it is among the failing Scopes held there, else one point read. 0 when it
+        cannot be read: the count then restarts, as it did before it was kept."""
+        view = self.failing[family].get(scope_id)
+        if view is not None:
+            return view.consecutive_failures
+        try:
+            with self.backend.read() as conn:
+                state = operator_state.scope_state(
+                    conn, self.families[family].binding_name, scope_id
+                )
+        except Exception as exc:
+            log.warning(
+                "failure state not read",
+                extra={"family": family, "scope": scope_id, **error_fields(exc)},
+            )
+            return 0
+        return 0 if state is None else state.consecutive_failures
+
     def on_success(self, term: Term, family: str, scope_id: str) -> None:
         """Clear a Scope that was failing (nothing to do, and no write, for any other)."""
         if self.failing[family].pop(scope_id, None) is None:

@@ -852,7 +852,14 @@ class Supervisor:
         if outcome is Outcome.FAILURE and cause == "stale_term":
             self.lose_leadership("a Worker found the term stale")
             return
-        self.core.on_worker_exit(fam.name, inv.scope_id, outcome, more, self.now(), token=inv.token)
+        prior = 0
+        if outcome is Outcome.FAILURE or outcome is Outcome.TIMEOUT:
+            info = self.core.key_info(fam.name, inv.scope_id)
+            if info is not None and info.consecutive_failures == 0:  # its first in this term
+                prior = self.controls.prior_failures(fam.name, inv.scope_id)
+        self.core.on_worker_exit(
+            fam.name, inv.scope_id, outcome, more, self.now(), token=inv.token, prior_failures=prior
+        )
         stopped = inv.worker_id in self.operator_stopped
         self.operator_stopped.discard(inv.worker_id)
         if outcome is Outcome.SUCCESS:
