@@ -617,6 +617,10 @@ def plot_results(md: Path, rows: list[dict[str, object]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _processes import stop_on_signals
+
+    stop_on_signals()  # stopped or failed: every child and server it started goes too
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=300, help="invocations per measurement")
     parser.add_argument("--budget", type=float, default=8.0, help="seconds per measurement")

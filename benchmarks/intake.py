@@ -46,6 +46,7 @@ from apsup.registry import Family, Registry, family
 from apsup.store import migrate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _processes import stop_on_signals
 from _report import Plot, write_results
 
 MODES = ("request/txn", "request batched", "request_many")
@@ -164,6 +165,7 @@ def table(
 
 
 def main(argv: list[str] | None = None) -> int:
+    stop_on_signals()  # stopped or failed: every child and server it started goes too
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--per-txn", type=int, default=1000, help="Scopes, request/txn")

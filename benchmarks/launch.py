@@ -33,6 +33,7 @@ from apsup.workers import WorkerPool
 from apsup.workers.child import main as child_main
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _processes import stop_on_signals
 from _report import Plot, context_line, write_results
 
 FAMILY_MODULE = "apsup_bench_family"
@@ -155,6 +156,7 @@ def fork_floor(imports: str, n: int) -> tuple[float, float, float]:
 
 
 def main() -> None:
+    stop_on_signals()  # stopped or failed: every child and server it started goes too
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer launches (smoke run)")
     args = parser.parse_args()

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _processes import stop_on_signals
 from dispatch import wake_at_last_exit
 from intake import mysql_url
 
@@ -470,6 +471,7 @@ def mysql_server(url: str | None) -> Iterator[tuple[str, int | None]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    stop_on_signals()  # stopped or failed: every child and server it started goes too
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=3)

@@ -41,6 +41,7 @@ from pathlib import Path
 from sqlalchemy import func, select, text
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _processes import stop_on_signals
 from _report import context_line, write_results
 from intake import mysql_url
 from mysql import mysql_server
@@ -215,6 +216,7 @@ def run_once(server: str, folder: Path, count: int, args: argparse.Namespace, pi
 
 
 def main(argv: list[str] | None = None) -> int:
+    stop_on_signals()  # stopped or failed: every child and server it started goes too
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=200, help="per family")
     parser.add_argument("--workers", type=int, default=16, help="max_workers per family")

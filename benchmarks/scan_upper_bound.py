@@ -39,6 +39,7 @@ from apsup.store.leases import GLOBAL_KEY
 from apsup.store.schema import PENDING_SEQUENCE_COUNTER, counters, intents
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _processes import stop_on_signals
 from _report import Plot, context_line, write_results
 
 BINDING = "bench"
@@ -129,6 +130,7 @@ def _drop_mysql(url: str) -> None:
 
 
 def main() -> int:
+    stop_on_signals()  # stopped or failed: every child and server it started goes too
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="10000,100000,1000000")
     parser.add_argument("--repeat", type=int, default=30)

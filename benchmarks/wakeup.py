@@ -24,14 +24,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _processes import PhaseFailed, child_group, progress, stop_on_signals
 from _report import context_line, write_results
 from intake import mysql_url
 from mysql import mysql_server
@@ -62,15 +64,17 @@ from apsup_bench_wakeup_family import bench_wakeup
 
 url, out = sys.argv[2], sys.argv[3]
 samples, idle_samples, gap = int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6])
+name = sys.argv[7]
 engine = apsup.connect(url)
 rng = random.Random(11)
 plan = [rng.uniform(0.2, 1.5) for _ in range(samples)] + [gap] * idle_samples
 with open(out, "w", encoding="utf-8") as fh:
     for i, pause in enumerate(plan):
-        time.sleep(pause)
+        if i:
+            time.sleep(pause)
         with engine.begin() as conn:
-            bench_wakeup.request(conn, f"s{i:04d}")
-        fh.write(f"s{i:04d} {time.time():.6f}\\n")
+            bench_wakeup.request(conn, f"{name}{i:04d}")
+        fh.write(f"{name}{i:04d} {time.time():.6f}\\n")
         fh.flush()
 engine.dispose()
 """
@@ -82,6 +86,25 @@ def pct(values: list[float], q: float) -> float:
         return float("nan")
     k = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
     return ordered[k]
+
+
+def _marked(marks: Path) -> dict[str, float]:
+    return {
+        scope: float(at)
+        for scope, at in (line.split() for line in marks.read_text().splitlines() if line)
+    }
+
+
+def _wait_for(what: str, done: Callable[[], bool], bound: float, leader: Any, log: Path) -> None:
+    """Wait up to ``bound`` seconds for ``done``; fail with one line if the leader died."""
+    deadline = time.monotonic() + bound
+    while not done():
+        if leader.poll() is not None:
+            tail = log.read_text(errors="replace").strip().splitlines()[-1:]
+            raise PhaseFailed(f"{what}: the leader exited ({leader.returncode}) {' '.join(tail)}")
+        if time.monotonic() >= deadline:
+            raise PhaseFailed(f"{what}: not done within {bound:g} s (leader log: {log})")
+        time.sleep(0.05)
 
 
 def measure(url: str, folder: Path, kind: str, args: argparse.Namespace) -> list[float]:
@@ -100,48 +123,58 @@ def measure(url: str, folder: Path, kind: str, args: argparse.Namespace) -> list
             "PYTHONPATH": os.pathsep.join(p for p in (str(folder), env.get("PYTHONPATH")) if p),
         }
     )
-    log = open(folder / f"leader-{kind}.log", "wb")  # noqa: SIM115
-    leader = subprocess.Popen(
-        [sys.executable, "-m", "apsup.cli", "run", "--app", MODULE],
-        env=env,
-        cwd=folder,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        time.sleep(args.settle)  # started, Lease claimed, membership written
-        if leader.poll() is not None:
-            raise SystemExit(f"{kind} leader exited: {(folder / f'leader-{kind}.log').read_text()}")
-        subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                PUBLISHER,
-                str(folder),
-                url,
-                str(commits),
-                str(args.samples),
-                str(args.idle_samples),
-                str(args.gap),
-            ],
+    log_path = folder / f"leader-{kind}.log"
+    publish = [sys.executable, "-c", PUBLISHER, str(folder), url, str(commits)]
+    with (
+        open(log_path, "wb") as log,
+        child_group(
+            [sys.executable, "-m", "apsup.cli", "run", "--app", MODULE],
             env=env,
-            check=True,
+            cwd=folder,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        ) as leader,
+    ):
+        progress(f"{kind}: leader started (pid {leader.pid}); waiting for it to dispatch")
+        # Ready means dispatching: one warm-up request, published by another process, ran.
+        with child_group([*publish, "1", "0", "0", "warm"], env=env) as warm:
+            try:
+                warm.wait(args.ready_bound)
+            except subprocess.TimeoutExpired:
+                raise PhaseFailed(f"{kind} warm-up request not committed in time") from None
+        _wait_for(
+            f"{kind} host ready",
+            lambda: "warm0000" in _marked(marks),
+            args.ready_bound,
+            leader,
+            log_path,
         )
+        marks.write_text("")
         total = args.samples + args.idle_samples
-        deadline = time.monotonic() + 30
-        while len(marks.read_text().splitlines()) < total and time.monotonic() < deadline:
-            time.sleep(0.05)
-    finally:
-        os.killpg(leader.pid, signal.SIGTERM)
-        leader.wait(60)
-        log.close()
-    started = dict(line.split() for line in marks.read_text().splitlines())
+        plan = args.samples * 1.5 + args.idle_samples * args.gap
+        progress(f"{kind}: host ready; publishing {total} requests (at most {plan:.0f} s)")
+        sample = [*publish, str(args.samples), str(args.idle_samples), str(args.gap), "s"]
+        with child_group(sample, env=env) as publisher:
+            try:
+                publisher.wait(plan + 60)
+            except subprocess.TimeoutExpired:
+                raise PhaseFailed(f"{kind} publisher: not done within {plan + 60:.0f} s") from None
+            if publisher.returncode != 0:
+                raise PhaseFailed(f"{kind} publisher exited {publisher.returncode}")
+        _wait_for(
+            f"{kind} samples ({total} requests started)",
+            lambda: len(_marked(marks)) >= total,
+            args.sample_bound,
+            leader,
+            log_path,
+        )
+        progress(f"{kind}: {total} samples taken")
+    started = _marked(marks)
     out = []
     for line in commits.read_text().splitlines():
         scope, committed = line.split()
         if scope in started:
-            out.append(float(started[scope]) - float(committed))
+            out.append(started[scope] - float(committed))
     return out
 
 
@@ -150,15 +183,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=40)
     parser.add_argument("--idle-samples", type=int, default=4)
     parser.add_argument("--gap", type=float, default=8.0)
-    parser.add_argument("--settle", type=float, default=4.0)
+    parser.add_argument(
+        "--ready-bound", type=float, default=60.0, help="seconds for a leader to dispatch"
+    )
+    parser.add_argument(
+        "--sample-bound", type=float, default=30.0, help="seconds for the last sample to start"
+    )
     parser.add_argument("--mysql", default=os.environ.get("APSUP_TEST_MYSQL_URL"))
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "wakeup.md"))
     args = parser.parse_args(argv)
+    stop_on_signals()
     results: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="apsup-wakeup-") as tmp:
         folder = Path(tmp)
         (folder / f"{MODULE}.py").write_text(SOURCE)
         results["SQLite"] = measure(f"sqlite:///{folder / 'wake.db'}", folder, "sqlite", args)
+        progress("mysql: " + ("using --mysql" if args.mysql else "starting a private seekdb"))
         with mysql_server(args.mysql) as (server, _), mysql_url(server) as url:
             results["MySQL"] = measure(url, folder, "mysql", args)
     rows, lines = [], []

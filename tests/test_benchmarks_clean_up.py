@@ -1,0 +1,96 @@
+"""A benchmark never hangs silently and never leaves anything running.
+
+``benchmarks/wakeup.py`` prints its progress per phase, fails with one line when a phase cannot
+finish within its bound, and, stopped by SIGTERM in the middle of a phase, stops every process it
+started (the ``apsup run`` host, its zygote, the publisher) before it exits. Every process it
+starts carries the environment it was given, so a tag in that environment finds any survivor.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+
+REPO = Path(__file__).resolve().parent.parent
+WAKEUP = REPO / "benchmarks" / "wakeup.py"
+
+
+def _tagged(tag: str) -> list[int]:
+    """Live processes whose environment carries ``tag`` (zombies do not count)."""
+    found = []
+    needle = f"APSUP_BENCH_TEST_TAG={tag}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle not in (entry / "environ").read_bytes():
+                continue
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def _start(tag: str, *args: str) -> subprocess.Popen[str]:
+    env = dict(os.environ, APSUP_BENCH_TEST_TAG=tag, PYTHONUNBUFFERED="1")
+    return subprocess.Popen(
+        [sys.executable, str(WAKEUP), "--out", "-", *args],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # a survivor is not killed with the test's own group
+    )
+
+
+def test_sigterm_in_the_middle_leaves_nothing_running() -> None:
+    tag = uuid.uuid4().hex
+    bench = _start(tag, "--samples", "200", "--mysql", "unused://")
+    try:
+        assert bench.stderr is not None
+        lines = []
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            line = bench.stderr.readline()
+            lines.append(line)
+            if "publishing" in line or not line:
+                break
+        assert any("publishing" in line for line in lines), lines
+        assert len(_tagged(tag)) >= 3, "the host, its zygote and the publisher run"
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(60) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 10
+        while _tagged(tag) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _tagged(tag) == [], "processes the benchmark started outlived it"
+    finally:
+        for pid in _tagged(tag):
+            os.kill(pid, signal.SIGKILL)
+        if bench.poll() is None:
+            bench.kill()
+        bench.communicate()
+
+
+def test_a_phase_that_cannot_finish_fails_with_one_line() -> None:
+    tag = uuid.uuid4().hex
+    bench = _start(tag, "--samples", "2", "--ready-bound", "0.05", "--mysql", "unused://")
+    out, err = bench.communicate(timeout=120)
+    assert bench.returncode == 1, (out, err)
+    failures = [line for line in err.splitlines() if line.startswith("benchmark failed:")]
+    assert failures == ["benchmark failed: sqlite warm-up request not committed in time"] or (
+        len(failures) == 1 and "sqlite host ready: not done within 0.05 s" in failures[0]
+    ), err
+    assert "Traceback" not in err
+    assert _tagged(tag) == []
