@@ -42,6 +42,12 @@ class DeadlinePassed(BackendError):
     cut short), so the loop reaches its step-down instead of waiting on the database."""
 
 
+class FencedTransactionTimeout(BackendError):
+    """A fenced transaction stayed open past its bound (derived from the Lease) and the database
+    ended it: nothing of it committed. Keep fenced transactions short: compute outside
+    ``ctx.fenced()``, write inside it."""
+
+
 class WorkerStartError(ApsupError):
     """The Worker forkserver could not start for a reason a retry may fix (a fork refused by the
     kernel, the forkserver killed while starting): not a configuration error."""

@@ -15,6 +15,7 @@ lateack    acknowledge, then sleep past the family timeout (``live-late`` has a 
 noack      return without acknowledging (the Supervisor acknowledges for it); first write into
            ``dbconns.<scope>`` how many descriptors the Worker holds on the database
 noackwait  wait for ``go.<scope>``, then return without acknowledging
+fencedpark sit inside ``ctx.fenced()`` for N seconds (``fencedpark.6``), then acknowledge
 fail       raise RuntimeError, every time
 sysexit    ``sys.exit(N)`` with N the part after the first ``.`` (``sysexit.9``)
 osexit     ``os._exit(N)``, likewise
@@ -113,6 +114,11 @@ def behave(scope_id: str, ctx: ExecutionContext) -> None:
         (d / f"dbconns.{scope_id}").write_text(str(_database_connections(ctx)))
     elif kind == "noackwait":
         _wait_for(d / f"go.{scope_id}")
+    elif kind == "fencedpark":  # sit inside ctx.fenced() for N seconds, then acknowledge
+        with ctx.fenced() as conn:
+            (d / f"fenced.{scope_id}").touch()
+            time.sleep(float(scope_id.split(".")[1]))
+            ctx.acknowledge(conn)
     elif kind == "fail":
         raise RuntimeError("this Scope fails every time")
     elif kind == "sysexit":  # sys.exit(N), N after the first dot

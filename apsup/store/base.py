@@ -145,9 +145,18 @@ class SqlBackend:
 
     @contextmanager
     def fenced(self, term: Term) -> Iterator[Connection]:
-        with self._txn(self.engine) as conn:
-            self._lock_term(conn, term)
-            yield conn
+        try:
+            with self._txn(self.engine) as conn:
+                self._lock_term(conn, term)
+                yield conn
+        except DBAPIError as exc:
+            raise self.fence_error(exc) from exc
+
+    def fence_error(self, exc: DBAPIError) -> BaseException:
+        """What a driver error inside a fenced transaction means to its caller: the database
+        ending a transaction that ran past its bound is a ``FencedTransactionTimeout`` naming
+        the bound (see ``MysqlBackend``); any other error is itself."""
+        return exc
 
     # -- point reads on hot paths: the host's dispatch and exit classification, the Worker
     # wrapper's duplicate check and acknowledgment -------------------------------------------

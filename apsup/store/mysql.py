@@ -57,7 +57,13 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.engine.default import DefaultDialect
 from sqlalchemy.exc import DBAPIError, DisconnectionError, IntegrityError
 
-from apsup.errors import ConfigError, DeadlinePassed, IntentError, StaleTermError
+from apsup.errors import (
+    ConfigError,
+    DeadlinePassed,
+    FencedTransactionTimeout,
+    IntentError,
+    StaleTermError,
+)
 from apsup.store.base import AckResult, ExitAck, ReadRows, Reads, SqlBackend
 from apsup.store.intents import Intent, check_unmoved_acknowledgment
 from apsup.store.leases import (
@@ -79,6 +85,10 @@ from apsup.store.schema import intents, leases
 TRANSACTION_ABORT_CODES = frozenset({1213, 4012, 6002})
 TRANSIENT_CODES = frozenset({1205, 1213, 4012, 6002, 6005, 6213, 6235})
 FENCE_TIMEOUT_SECONDS = 30.0
+#: OceanBase ends a transaction past ``ob_trx_timeout``: the next statement fails with 4012
+#: ("Transaction timeout occurred"), the COMMIT with 6002 ("Transaction rollbacked").
+TRX_TIMEOUT = 4012
+TRX_ROLLED_BACK = 6002
 FENCE_TIMEOUT_PARAM = "apsup_fence_timeout"
 #: Database time in UTC whatever the server's or the session's time zone (naive, microseconds).
 _UTC_NOW = text("SELECT UTC_TIMESTAMP(6)")
@@ -589,6 +599,19 @@ class MysqlBackend(SqlBackend):
             return None
         return f"SET ob_trx_timeout = {int(self.fence_timeout * 1_000_000)}"
 
+    def fence_error(self, exc: DBAPIError) -> BaseException:
+        code = _error_code(exc)
+        expired = code == TRX_ROLLED_BACK or (
+            code == TRX_TIMEOUT and "transaction timeout" in str(exc.orig).lower()
+        )
+        if not expired or self.fence_timeout <= 0:
+            return exc
+        return FencedTransactionTimeout(
+            f"the fenced transaction stayed open longer than its bound of {self.fence_timeout:g} "
+            "s and the database rolled it back (nothing of it committed); the bound keeps the "
+            "leader's Lease renewable: compute outside ctx.fenced(), write inside it"
+        )
+
     def _is_transient(self, exc: DBAPIError) -> bool:
         return _error_code(exc) in TRANSIENT_CODES
 
@@ -933,3 +956,18 @@ class MysqlBackend(SqlBackend):
             )
 
         self.run(body)
+
+
+def bounded_fence_url(url: str, seconds: float) -> str:
+    """``url`` with its fenced transactions bounded by ``seconds`` at most (a bound the URL
+    sets already is kept when it is shorter)."""
+    u = make_url(url)
+    raw = u.query.get(FENCE_TIMEOUT_PARAM)
+    try:
+        current = FENCE_TIMEOUT_SECONDS if raw is None else float(str(raw))
+    except ValueError:
+        return url  # reported by the backend that parses it
+    if 0 < current <= seconds:
+        return url
+    bound = u.update_query_dict({FENCE_TIMEOUT_PARAM: f"{seconds:.3f}"})
+    return bound.render_as_string(hide_password=False)

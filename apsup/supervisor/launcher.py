@@ -24,6 +24,7 @@ from apsup.registry import Family
 from apsup.scheduling import Backoff
 from apsup.store import SqlBackend, open_backend, worker_preload
 from apsup.store.leases import GLOBAL_KEY, dedicated_key
+from apsup.store.mysql import bounded_fence_url
 from apsup.store.sqlite import database_path, shared_mode
 from apsup.supervisor.control import ControlChannel, HostLock
 from apsup.supervisor.host import Host, LeasePolicy
@@ -176,6 +177,12 @@ def build_host(
     if not families:
         raise ConfigError("no family to schedule")
     backend = open_backend(database_url, control=True)  # every call time-limited
+    # Workers' fenced transactions are bounded so that one of them can never hold the Lease
+    # row past the leader's renew deadline (``LeasePolicy.worker_fence_seconds``).
+    worker_url = database_url
+    if backend.name != "sqlite":
+        lease = lease or LeasePolicy()
+        worker_url = bounded_fence_url(database_url, lease.worker_fence_seconds)
     lock: HostLock | None = None
     control: ControlChannel | None = None
     try:
@@ -192,7 +199,7 @@ def build_host(
         modules = sorted(
             {f.entry_point.split(":", 1)[0] for f in families} | {TARGET.split(":", 1)[0], *preload}
         )
-        pool = _start_pool_retrying([*modules, WARM_MODULE], database_url, grace_seconds, stopping)
+        pool = _start_pool_retrying([*modules, WARM_MODULE], worker_url, grace_seconds, stopping)
         _warn_if_not_lean(pool)
     except BaseException:
         if control is not None:
@@ -207,7 +214,7 @@ def build_host(
             group,
             backend,
             pool,
-            database_url=database_url,
+            database_url=worker_url,
             worker_settings=worker_settings,
             hooks=hooks,
             backoff=backoff,
