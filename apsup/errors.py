@@ -48,6 +48,20 @@ class FencedTransactionTimeout(BackendError):
     ``ctx.fenced()``, write inside it."""
 
 
+class ForeignLock(BackendError):
+    """A row the leader would write is locked by another transaction (an application's open
+    request for the same Scope): the write is deferred and retried, never waited for while the
+    Lease row is held."""
+
+    def __init__(self, binding: str, scope_id: str) -> None:
+        super().__init__(
+            f"the intent row of {binding!r} Scope {scope_id!r} is locked by another "
+            "transaction; its acknowledgment is retried once the lock is released"
+        )
+        self.binding = binding
+        self.scope_id = scope_id
+
+
 class WorkerStartError(ApsupError):
     """The Worker forkserver could not start for a reason a retry may fix (a fork refused by the
     kernel, the forkserver killed while starting): not a configuration error."""

@@ -18,7 +18,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
-from apsup.errors import BackendError, DeadlinePassed, IntentError
+from apsup.errors import BackendError, DeadlinePassed, ForeignLock, IntentError
 from apsup.store import intents
 from apsup.store.leases import LeaseRow, Term, all_leases, invalidate, read_lease, validate
 
@@ -39,7 +39,7 @@ class ExitAck:
 
 #: Per acknowledged exit (``SqlBackend.acknowledge_exits``): the requested generation it
 #: reported, None (the caller reads the row), or why the claimed row could not take it.
-AckResult = int | None | IntentError
+AckResult = int | None | IntentError | ForeignLock
 
 #: Intent rows to read beside acknowledgments: (binding, scope ids) pairs.
 Reads = Sequence[tuple[str, Sequence[str]]]

@@ -101,6 +101,8 @@ def _check_binding(binding: object) -> str:
 _BY_KEY = (c.binding_name == bindparam("p_binding"), c.scope_id == bindparam("p_scope"))
 _GET = select(*_COLUMNS).where(*_BY_KEY)
 _GET_FOR_UPDATE = _GET.with_for_update()
+#: The same, skipping a row another transaction holds (MySQL, OceanBase, PostgreSQL).
+_GET_FOR_UPDATE_SKIP_LOCKED = _GET.with_for_update(skip_locked=True)
 
 
 def _raise_statement(lower: str, upper: str, *, with_sequence: bool) -> Update:
@@ -126,23 +128,34 @@ def _key(binding: str, scope_id: str):  # type: ignore[no-untyped-def]
 
 
 def next_pending_sequence(conn: Connection) -> int:
-    """Increment the never-reused counter in the caller's transaction and return it."""
-    conn.execute(
-        update(counters)
-        .where(counters.c.name == PENDING_SEQUENCE_COUNTER)
-        .values(value=counters.c.value + 1)
-    )
-    value = conn.execute(
-        select(counters.c.value).where(counters.c.name == PENDING_SEQUENCE_COUNTER)
-    ).scalar_one_or_none()
-    if value is None:
-        raise IntentError("counter row missing: run `apsup migrate` to create the schema")
-    return int(value)
+    """A never-reused pending sequence for a first registration (see
+    ``reserve_pending_sequences``)."""
+    return reserve_pending_sequences(conn, 1)
+
+
+#: ``Connection.info`` key: the transaction that holds the counter row lock (a bulk creation).
+_COUNTER_TXN = "apsup_counter_txn"
 
 
 def reserve_pending_sequences(conn: Connection, count: int) -> int:
     """Reserve ``count`` consecutive never-reused sequences with one counter update; returns the
-    first. Like ``next_pending_sequence``, the counter row is held until the caller commits."""
+    first.
+
+    On a backend with row locks the counter is advanced in a short transaction of its own, on
+    another connection of the caller's engine, and committed at once: an application
+    transaction that registers a Scope and stays open would otherwise hold the one counter row,
+    and every other first registration would wait for it. A sequence reserved by a
+    transaction that then rolls back is simply never used (gaps are fine; reuse is not), and one
+    that commits late is visible late: a scan already past it admits it at the next check, as
+    for any row that becomes visible late. SQLite locks the whole database for a write, so
+    there the caller's own transaction advances it."""
+    if conn.dialect.name == "sqlite" or conn.info.get(_COUNTER_TXN) is conn.get_transaction():
+        return _reserve(conn, count)  # (or this transaction holds the counter already: bulk)
+    with conn.engine.connect() as own, own.begin():
+        return _reserve(own, count)
+
+
+def _reserve(conn: Connection, count: int) -> int:
     conn.execute(
         update(counters)
         .where(counters.c.name == PENDING_SEQUENCE_COUNTER)
@@ -157,10 +170,20 @@ def reserve_pending_sequences(conn: Connection, count: int) -> int:
 
 
 def get(
-    conn: Connection, binding: str, scope_id: str, *, for_update: bool = False
+    conn: Connection,
+    binding: str,
+    scope_id: str,
+    *,
+    for_update: bool = False,
+    skip_locked: bool = False,
 ) -> Intent | None:
+    """The intent row; ``for_update`` locks it, ``skip_locked`` returns None at once instead of
+    waiting when another transaction holds it (or when there is no row)."""
     params = {"p_binding": binding, "p_scope": scope_id}
-    row = conn.execute(_GET_FOR_UPDATE if for_update else _GET, params).first()
+    statement = _GET
+    if for_update:
+        statement = _GET_FOR_UPDATE_SKIP_LOCKED if skip_locked else _GET_FOR_UPDATE
+    row = conn.execute(statement, params).first()
     return None if row is None else Intent(*row)
 
 
@@ -293,6 +316,7 @@ def _advance_many_once(
     chunks = [by_key[i : i + BULK_CHUNK] for i in range(0, len(by_key), BULK_CHUNK)]
     if conn.dialect.name != "sqlite" and _any_missing(conn, binding, chunks):
         conn.execute(_LOCK_COUNTER)
+        conn.info[_COUNTER_TXN] = conn.get_transaction()  # later reservations stay in it
     for chunk in chunks:
         where = (c.binding_name == binding, c.scope_id.in_(chunk))
         # The UPDATE comes first: on SQLite it takes the write lock (nothing changes under us
@@ -304,7 +328,10 @@ def _advance_many_once(
         generations.update((scope_id, int(value)) for scope_id, value in found)
     missing = [scope_id for scope_id in ordered if scope_id not in generations]
     if missing:
-        first = reserve_pending_sequences(conn, len(missing))
+        # Reserved under the counter lock this transaction holds (MySQL: taken above to order
+        # concurrent creators), so a bulk creation holds the counter until it ends: bulk
+        # intake transactions should be short (docs/bulk-intake.md).
+        first = _reserve(conn, len(missing))
         conn.execute(
             insert(intents),
             [

@@ -61,6 +61,7 @@ from apsup.errors import (
     ConfigError,
     DeadlinePassed,
     FencedTransactionTimeout,
+    ForeignLock,
     IntentError,
     StaleTermError,
 )
@@ -140,6 +141,10 @@ def _intents_sql(count: int) -> str:
     if count == 1:
         return _INTENT_SQL
     return _INTENT_SQL.replace("scope_id = %s", f"scope_id IN ({', '.join(['%s'] * count)})")
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def _intent_rows(rows: Sequence[Sequence[Any]]) -> dict[str, Intent]:
@@ -767,7 +772,7 @@ class MysqlBackend(SqlBackend):
                     term, e.binding, e.scope_id, e.generation, e.pending_sequence, True
                 )
                 results[i] = requested if moved else None
-            except (IntentError, StaleTermError) as exc:
+            except (IntentError, StaleTermError, ForeignLock) as exc:
                 results[i] = exc
         return cast(list[AckResult], results), rows
 
@@ -795,7 +800,18 @@ class MysqlBackend(SqlBackend):
             bound = self._unbounded(info)
             if bound is not None:
                 parts.insert(0, bound)
+            # Never wait on a row another transaction holds (an application's open request for
+            # the same Scope): lock the exits' rows SKIP LOCKED first; one that exists but was
+            # not locked is deferred (the Supervisor retries it; its key stays occupied).
+            held, present = self._lock_rows(cur, exits, parts, params, bound is not None)
+            if bound is not None:
+                info["apsup_bounded"] = True
+            found = held.pop(None)
+            deferred = {k for k in present if k not in held}
+            parts, params = [], []
             for e in exits:
+                if (e.binding, e.scope_id) in deferred:
+                    continue
                 parts.append(_FENCED_ACK_SQL)
                 g = e.generation
                 params += [g, e.binding.encode(), e.scope_id.encode(), g, g, e.pending_sequence]
@@ -805,27 +821,67 @@ class MysqlBackend(SqlBackend):
                 params += [binding.encode(), *(s.encode() for s in scope_ids)]
             parts.append("COMMIT")
             cur.execute("; ".join(parts), params)
-            if bound is not None:
-                info["apsup_bounded"] = True
-                cur.nextset()
-            found = cur.fetchone()
             results: list[object] = []
-            for _ in exits:
-                cur.nextset()
+            first = True
+            for e in exits:
+                if (e.binding, e.scope_id) in deferred:
+                    results.append(ForeignLock(e.binding, e.scope_id))
+                    continue
+                if not first:
+                    cur.nextset()
+                first = False
                 results.append(int(cur.lastrowid) if cur.rowcount == 1 else _UNMOVED)
             rows: ReadRows = {}
             for binding, scope_ids in wanted:
-                cur.nextset()
+                if not first:
+                    cur.nextset()
+                first = False
                 got = _intent_rows(cur.fetchall())
                 rows.update(((binding, s), got.get(s)) for s in scope_ids)
-            cur.nextset()  # the COMMIT's OK: every result read, the connection is usable again
-        if any(r is not _UNMOVED for r in results):
+            if not first:
+                cur.nextset()  # the COMMIT's OK: every result read, the connection is usable
+        if any(r is not _UNMOVED and not isinstance(r, ForeignLock) for r in results):
             return results, rows  # a row moved: the fence held at that statement
         lease = None
         if found is not None:
             lease = LeaseRow(term.supervisor_key, found[0], int(found[1]), found[2])
         validate(lease, term, None)  # holder and generation (expiry: decided per exit)
         return results, rows
+
+    def _lock_rows(
+        self,
+        cur: Any,
+        exits: Sequence[ExitAck],
+        parts: list[str],
+        params: list[Any],
+        bounded: bool,
+    ) -> tuple[dict[Any, Any], set[tuple[str, str]]]:
+        """Send ``parts`` (the Lease lock, maybe the session bound before it), then lock the
+        exits' intent rows ``FOR UPDATE SKIP LOCKED`` and read which exist, in one round trip.
+        Returns ({(binding, scope): True for each row locked, None: the Lease row}, the keys
+        whose rows exist). A row that exists and was not locked is held by another
+        transaction: acknowledging it now would wait for that lock with the Lease row held."""
+        by_binding: dict[str, list[str]] = {}
+        for e in exits:
+            by_binding.setdefault(e.binding, []).append(e.scope_id)
+        for binding, scope_ids in by_binding.items():
+            ids = ", ".join(["%s"] * len(scope_ids))
+            where = f" FROM {intents.name} WHERE binding_name = %s AND scope_id IN ({ids})"
+            encoded = [binding.encode(), *(s.encode() for s in scope_ids)]
+            parts.append("SELECT scope_id" + where + " FOR UPDATE SKIP LOCKED")
+            parts.append("SELECT scope_id" + where)
+            params += encoded + encoded
+        cur.execute("; ".join(parts), params)
+        if bounded:
+            cur.nextset()
+        held: dict[Any, Any] = {None: cur.fetchone()}
+        present: set[tuple[str, str]] = set()
+        for binding in by_binding:
+            cur.nextset()
+            held.update(((binding, _text(r[0])), True) for r in cur.fetchall())
+            cur.nextset()
+            present.update((binding, _text(r[0])) for r in cur.fetchall())
+        return held, present
 
     def _acknowledge(
         self,
@@ -837,7 +893,8 @@ class MysqlBackend(SqlBackend):
         report: bool,
     ) -> tuple[bool, int | None]:
         """The fenced acknowledgment on the DBAPI path: (moved, the requested generation when
-        ``report`` and moved)."""
+        ``report`` and moved). ``report`` is the host's call: it raises ``ForeignLock``
+        instead of waiting for a row another transaction holds."""
         key = (binding.encode(), scope_id.encode())
 
         def attempt() -> tuple[bool, int | None]:
@@ -854,6 +911,15 @@ class MysqlBackend(SqlBackend):
                     lease = LeaseRow(term.supervisor_key, found[0], int(found[1]), found[2])
                 validate(lease, term, None)  # holder and generation; expiry on database time:
                 assert lease is not None
+                # The host never waits on a row another transaction holds (``_lock_rows``); a
+                # Worker's own acknowledgment may wait (its fenced transaction is bounded).
+                if report:
+                    cur.execute(_ROW_SQL + " FOR UPDATE SKIP LOCKED", key)
+                if report and cur.fetchone() is None:
+                    cur.execute(_ROW_SQL, key)
+                    if cur.fetchone() is not None:
+                        dbapi_conn.rollback()
+                        raise ForeignLock(binding, scope_id)
                 params: list[Any] = [generation, *key, generation, generation, pending_sequence]
                 statement = _ACK_REPORTING_SQL if report else _ACK_SQL
                 if lease.expires_at is not None:

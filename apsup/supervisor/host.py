@@ -52,6 +52,13 @@ STARTUP_BACKOFF = Backoff(base=STARTUP_RETRY_INITIAL, cap=STARTUP_RETRY_MAX, jit
 #: for ``POLL_HOLD_SECONDS``; then each empty poll waits ``POLL_BACKOFF`` times longer than the
 #: previous one, up to ``LeasePolicy.poll_seconds`` (the idle rate).
 POLL_FAST_SECONDS = 0.1
+#: The longest a nudge waits for its publisher's commit to become visible (cycle by cycle,
+#: never blocking) before its family is notified anyway.
+NUDGE_BARRIER_SECONDS = 2.0
+#: A barrier still held is tried again after this delay, doubling up to the maximum (a
+#: publisher commits right after its datagram: the first retry nearly always finds it done).
+NUDGE_RETRY_FIRST = 0.001
+NUDGE_RETRY_MAX = 0.05
 POLL_HOLD_SECONDS = 3.0
 POLL_BACKOFF = 1.5
 #: A standby claims this long after the Lease it met runs out (database time), so its claim
@@ -172,6 +179,9 @@ class Host:
         #: Elected backends: nudges from publishers on other processes and replicas
         #: (``apsup.supervisor.nudge``); set by the runtime beside its HTTP listener.
         self.nudges: NudgeListener | None = None
+        #: Per family, the Scope of a nudge whose publisher's commit is not visible yet, and
+        #: since when, and when it is tried next (``_drain_nudges``).
+        self._barriers: dict[str, tuple[str, float, float]] = {}
         self._handoff_until: dict[str, float] = {}
 
     # -- control ------------------------------------------------------------------------------
@@ -641,30 +651,46 @@ class Host:
             sup.refresh_controls(controls)
 
     def _drain_nudges(self) -> None:
-        """Nudges (family, Scope) from publishers: wait for each publisher's commit by locking
-        the Scope's intent row (it holds that lock until its COMMIT), then notify the family as
-        the poll would have; and poll fast for a while, as after any activity."""
+        """Nudges (family, Scope) from publishers: once each publisher's commit is visible,
+        notify the family as the poll would have; and poll fast for a while, as after any
+        activity. The commit is waited for without blocking: the Scope's intent row is locked
+        ``SKIP LOCKED`` (its publisher holds the lock until its COMMIT); a row still held is
+        tried again at the next cycles, for at most ``NUDGE_BARRIER_SECONDS``, after which the
+        family is notified anyway (the poll stays the safety net). So a Scope named by a
+        datagram whose row an open transaction holds never stalls the loop."""
         assert self.nudges is not None
-        items = self.nudges.drain()
-        if not items:
+        now = time.monotonic()
+        for family, scope in self.nudges.drain():
+            # one barrier per family: the fast poll finds the others
+            self._barriers.setdefault(family, (scope, now, now))
+        if not self._barriers:
             return
-        first: dict[str, str] = {}  # one barrier per family: the fast poll finds the others
-        for family, scope in items:
-            first.setdefault(family, scope)
         sups = [sup for sup in self.supervisors if sup.established]
-        for family, scope in first.items():
+        for family, (scope, since, due) in list(self._barriers.items()):
+            if due > now:
+                continue
+            visible = not scope or now - since >= NUDGE_BARRIER_SECONDS
             for sup in sups:
                 fam = sup.families.get(family)
-                if fam is None:
+                if fam is None or visible:
                     continue
-                if scope:
-                    try:
-                        with self.backend.transaction() as conn:  # waits for its COMMIT
-                            intents.get(conn, fam.binding_name, scope, for_update=True)
-                    except Exception as exc:  # a bad or spoofed Scope: the poll still runs
-                        log.debug("nudge barrier failed", extra=error_fields(exc))
-                sup.notify(family)
-        now = time.monotonic()
+                try:
+                    with self.backend.transaction() as conn:
+                        row = intents.get(
+                            conn, fam.binding_name, scope, for_update=True, skip_locked=True
+                        )
+                    visible = row is not None
+                except Exception as exc:  # a bad or spoofed Scope: the poll still runs
+                    log.debug("nudge barrier failed", extra=error_fields(exc))
+                    visible = True
+            if not visible:  # still held by its publisher: tried again soon, then less often
+                wait = min(NUDGE_RETRY_MAX, max(NUDGE_RETRY_FIRST, 2 * (due - since)))
+                self._barriers[family] = (scope, since, now + wait)
+                continue
+            del self._barriers[family]
+            for sup in sups:
+                if family in sup.families:
+                    sup.notify(family)
         self._last_activity = now
         self._poll_interval = min(POLL_FAST_SECONDS, self.lease.poll_seconds)
         self._next_poll = min(self._next_poll, now + self._poll_interval)
@@ -799,6 +825,8 @@ class Host:
                 candidates.append(deadline - mono)
         if self.control is not None:
             candidates.append(self._next_watch - mono)
+        if self._barriers:
+            candidates.append(min(due for _, _, due in self._barriers.values()) - mono)
         if self.preflight or self._unclaimed:
             candidates.append(self._next_startup - mono)
         if not candidates:
