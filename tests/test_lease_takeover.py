@@ -27,7 +27,7 @@ import pytest
 from sqlalchemy import event, insert, select, text
 from sqlalchemy.exc import DBAPIError, OperationalError
 
-from apsup.errors import StaleTermError
+from apsup.errors import FencedTransactionTimeout, StaleTermError
 from apsup.store import SqlBackend, open_backend, scans
 from apsup.store.leases import Term
 from apsup.supervisor.host import Host, LeasePolicy
@@ -297,7 +297,7 @@ def test_a_frozen_fenced_transaction_cannot_block_a_takeover(db_url: str) -> Non
                     inside.set()
                     time.sleep(6)  # "paused" with the Lease row locked
                 outcome.append("committed")
-            except (DBAPIError, StaleTermError) as exc:
+            except (DBAPIError, StaleTermError, FencedTransactionTimeout) as exc:
                 outcome.append(type(exc).__name__)
 
         thread = threading.Thread(target=frozen_worker, daemon=True)
