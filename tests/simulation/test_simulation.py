@@ -169,7 +169,8 @@ MUTANTS: dict[str, tuple[list[tuple[str, str]], str]] = {
     "failed key dropped from memory": (
         [
             (
-                "            key.failures = max(key.failures, prior_failures) + 1\n            delay",
+                "            key.failures = max(key.failures, prior_failures) + 1\n"
+                "            delay",
                 "            del f.keys[scope_id]\n            return\n            delay",
             )
         ],
