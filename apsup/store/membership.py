@@ -1,9 +1,13 @@
 """Replica membership (table ``replicas``): one row per running host process.
 
 A host on an elected backend (MySQL/OceanBase) writes its row when it starts and refreshes
-``last_seen`` with its lease cadence, leader or standby; it deletes the row on a clean shutdown.
-A row whose ``last_seen`` is older than the Lease belongs to a process that is gone (killed, cut
-off). ``/status`` and ``apsup status`` list the live rows with the Leases each one holds, and
+``last_seen`` on a timer of its own (``refresh_interval``: four times per Lease, leader or
+standby, whatever its renewals do); it deletes the row on a clean shutdown. A row is judged gone
+only once ``last_seen`` is older than ``gone_after`` (two Leases: eight refreshes missed in a
+row), so a process that is late once, or a few times, never leaves anyone's view: placement
+moves families only on a real join or leave (a process killed or cut off for that long has
+lost its Leases already; a Lease that runs out is taken over on its own, without this view).
+``/status`` and ``apsup status`` list the live rows with the Leases each one holds, and
 ``apsup status`` finds a host's HTTP listener here. A SQLite host keeps no row: it is the only
 host, and its listener is recorded beside the database file.
 """
@@ -24,6 +28,20 @@ from apsup.store.schema import replicas
 REPLICA_ENV = "APSUP_REPLICA_ID"
 #: Rows read at most (a deployment has a handful of replicas; this bounds a runaway).
 MAX_MEMBERS = 200
+#: Refreshes per Lease: a row stays fresh through several late or failed refreshes.
+REFRESHES_PER_LEASE = 4
+#: A row is judged gone after this many Leases without a refresh (the margin).
+GONE_AFTER_LEASES = 2.0
+
+
+def refresh_interval(lease_seconds: float) -> float:
+    """How often a host refreshes its row: ``REFRESHES_PER_LEASE`` times per Lease."""
+    return lease_seconds / REFRESHES_PER_LEASE
+
+
+def gone_after(lease_seconds: float) -> float:
+    """How old ``last_seen`` must be before the row's process counts as gone."""
+    return lease_seconds * GONE_AFTER_LEASES
 
 
 @dataclass(frozen=True)
@@ -40,7 +58,9 @@ class Member:
     last_seen: datetime
 
     def alive(self, now: datetime, lease_seconds: float) -> bool:
-        return now - self.last_seen <= timedelta(seconds=lease_seconds)
+        """Whether the row's process counts as running at ``now`` (database time), judged
+        with ``gone_after``'s margin over a Lease of ``lease_seconds``."""
+        return now - self.last_seen <= timedelta(seconds=gone_after(lease_seconds))
 
     def as_dict(self) -> dict[str, Any]:
         return {

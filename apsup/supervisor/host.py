@@ -402,7 +402,6 @@ class Host:
                     extra={"supervisor_key": sup.key, **error_fields(exc)},
                 )
         self._step_down_expired()
-        self._refresh_membership()
 
     def _rebalance(self) -> None:
         """Dedicated scale-out: hand over each held key that the placement gives to another
@@ -486,11 +485,13 @@ class Host:
         now = time.monotonic()
         if now < self._next_member:
             return
-        # Twice per Lease: a row goes stale (a Lease old) only after two missed refreshes.
-        self._next_member = now + self.lease.lease_seconds / 2
+        # On its own timer, not the renewals' (those come every 2/3 Lease by default): several
+        # refreshes per Lease, so one late or failed one leaves the row well within the margin
+        # others judge it by (``membership.gone_after``).
+        self._next_member = now + membership.refresh_interval(self.lease.lease_seconds)
         try:
             # On the autocommit read connection, database time in the statement itself: one
-            # round trip per renewal interval (an idle leader's statements are counted).
+            # round trip per refresh (an idle leader's statements are counted).
             with self._calls_until(self.keeper.earliest()), self.backend.read() as conn:
                 membership.refresh(conn, member, now=self.backend.db_time_sql())
         except Exception as exc:
@@ -584,6 +585,7 @@ class Host:
             self._next_poll = now + self._next_poll_interval(now)
             self._guarded("poll", self._poll_requests)  # requests committed by other processes
         self._guarded("lease", self._maintain_leases)
+        self._guarded("membership", self._refresh_membership)
         self._guarded("establish", self._establish)
         if self.balancer is not None:
             self._guarded("placement", self._rebalance)
@@ -820,6 +822,8 @@ class Host:
         if self.elected:
             candidates.append(self._next_renew - mono)
             candidates.append(self._next_poll - mono)
+            if self.member is not None:
+                candidates.append(self._next_member - mono)
             deadline = self.keeper.earliest()
             if deadline is not None:
                 candidates.append(deadline - mono)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime
 
 from apsup.store.membership import Member
 
@@ -91,10 +91,9 @@ class Balancer:
         """Build the view from membership rows: a replica is a candidate once every one of its
         per-family processes keeps a live row (all its Supervisors run), so a family is never
         handed to a replica whose process for it is not up yet."""
-        fresh = timedelta(seconds=self.lease_seconds)
         live: dict[str, int] = {}
         for m in rows:
-            if m.mode == "dedicated" and m.role != "api" and db_now - m.last_seen <= fresh:
+            if m.mode == "dedicated" and m.role != "api" and m.alive(db_now, self.lease_seconds):
                 live[m.replica_id] = live.get(m.replica_id, 0) + 1
         need = len(set(self.families))
         reps = frozenset(r for r, n in live.items() if n >= need)
