@@ -17,6 +17,8 @@ noack      return without acknowledging (the Supervisor acknowledges for it); fi
 noackwait  wait for ``go.<scope>``, then return without acknowledging
 fencedpark sit inside ``ctx.fenced()`` for N seconds (``fencedpark.6``), then acknowledge
 fail       raise RuntimeError, every time
+ackfail    acknowledge, then raise RuntimeError
+count      append the G it was given to ``starts.<scope>``, then acknowledge
 sysexit    ``sys.exit(N)`` with N the part after the first ``.`` (``sysexit.9``)
 osexit     ``os._exit(N)``, likewise
 =========  ======================================================================================
@@ -121,6 +123,13 @@ def behave(scope_id: str, ctx: ExecutionContext) -> None:
             ctx.acknowledge(conn)
     elif kind == "fail":
         raise RuntimeError("this Scope fails every time")
+    elif kind == "count":  # one line per invocation: the G it was given
+        with open(d / f"starts.{scope_id}", "a", encoding="utf-8") as fh:
+            fh.write(f"{ctx.claimed_request_generation}\n")
+        _ack(ctx)
+    elif kind == "ackfail":  # its request handled, then a failure: backoff, nothing pending
+        _ack(ctx)
+        raise RuntimeError("this Scope fails after its acknowledgment")
     elif kind == "sysexit":  # sys.exit(N), N after the first dot
         sys.exit(int(scope_id.split(".")[1]))
     elif kind == "osexit":  # os._exit(N): no wrapper code runs after it

@@ -35,6 +35,7 @@ def live_host(
     lease: LeasePolicy | None = None,
     hooks: Hooks | None = None,
     start: bool = True,
+    backoff: Backoff = FAST_BACKOFF,
 ) -> Iterator[HostBundle]:
     """A migrated database and a host over ``families`` whose Workers talk through ``workdir``;
     an observer publishes the status snapshot (``readiness(bundle.host)``)."""
@@ -47,7 +48,7 @@ def live_host(
         hooks=hooks,
         shutdown_grace=3.0,
         grace_seconds=2.0,
-        backoff=FAST_BACKOFF,
+        backoff=backoff,
     )
     bundle.host.on_cycle = HostObserver(
         role="all",

@@ -508,7 +508,7 @@ def test_keys_in_retry_wait_are_skipped_within_one_page_not_one_query_each() -> 
     assert all(s.key_state("a", k) is KeyState.RETRY_WAIT for k in failing)
     s.on_notify("a")
     d = s.decide(T0)
-    assert d == FetchRequests("a", 0, 7)  # 2 free places + 5 keys held
+    assert d == FetchRequests("a", 0, 7, skip_backoff=True)  # 2 free places + 5 keys held
     # the page holds the five waiting keys first, then two new ones: one query fills the queue
     s.on_request_page("a", rows(*failing, "n6", "n7"), exhausted=False)
     assert s.key_state("a", "n6") is KeyState.READY and s.key_state("a", "n7") is KeyState.READY
@@ -520,11 +520,12 @@ def test_notifications_during_a_pass_coalesce_into_exactly_one_extra_pass() -> N
     assert s.decide(T0) is None
     s.on_notify("a")
     d = s.decide(T0)
-    assert d == FetchRequests("a", 0, 1)
+    assert d == FetchRequests("a", 0, 1, skip_backoff=True)  # this term holds its failing keys
     s.on_notify("a")
     s.on_notify("a")  # two notifications while the pass is in flight
     s.on_request_page("a", [], exhausted=True)
-    assert s.decide(T0) == FetchRequests("a", 0, 1)  # one extra pass, from the beginning
+    # one extra pass, from the beginning
+    assert s.decide(T0) == FetchRequests("a", 0, 1, skip_backoff=True)
     s.on_request_page("a", [], exhausted=True)
     assert s.decide(T0) is None  # ...and only one
     assert s.next_wakeup(T0) is None
@@ -789,3 +790,26 @@ def test_a_transient_error_costs_its_step_about_one_poll_and_repeats_back_off_bo
     assert isinstance(d, Dispatch) and d.scope_id == "y"
     s.on_family_error("a", "Dispatch", t)
     assert s.next_wakeup(t) == t + timedelta(seconds=0.5)
+
+
+def test_only_a_pass_that_may_meet_keys_it_does_not_hold_reads_scopes_in_backoff() -> None:
+    """Request pages leave out Scopes in a backoff this term recorded (the core holds them,
+    waiting), except the passes that may meet a key the core does not hold: after restore,
+    a key let go while parked, an operator's retry of a free key, a stale failure state."""
+    s = make(spec(page_size=4))
+    d = s.decide(T0)
+    assert d == FetchRequests("a", 0, 4, skip_backoff=False)  # after restore: everything
+    s.on_request_page("a", [], exhausted=True)
+    s.on_notify("a")
+    assert s.decide(T0) == FetchRequests("a", 0, 4, skip_backoff=True)
+    s.on_notify("a", full=True)  # during a filtered pass: the one extra pass is full
+    s.on_request_page("a", [], exhausted=True)
+    assert s.decide(T0) == FetchRequests("a", 0, 4, skip_backoff=False)
+    s.on_request_page("a", [], exhausted=True)
+    assert s.decide(T0) is None
+    s.set_parked("a", ["p"])
+    s.set_parked("a", [])  # let go of while parked
+    assert s.decide(T0) == FetchRequests("a", 0, 4, skip_backoff=False)
+    s.on_request_page("a", [], exhausted=True)
+    assert not s.retry_now("a", "free", T0)  # not held: looked for by a full pass
+    assert s.decide(T0) == FetchRequests("a", 0, 4, skip_backoff=False)

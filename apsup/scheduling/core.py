@@ -209,6 +209,10 @@ class _RequestPass:
     after_sequence: int = 0
     started_at: int | None = None  # notification count when the pass issued its first query
     paused: bool = False  # its last page stopped at a full ready queue
+    #: Reads Scopes in a recorded backoff too. Only a pass that may meet keys this term does
+    #: not hold is full (after restore, a key let go of while parked, an operator's retry of
+    #: a free key); every other pass leaves them out (``FetchRequests.skip_backoff``).
+    full: bool = False
 
 
 class _Family:
@@ -241,6 +245,7 @@ class _Family:
         self.scan: _Scan | None = None
         self.notifications = 0
         self.request_pass: _RequestPass | None = None
+        self.want_full = False  # the next request pass is to be full
         self.step: Decision | None = None
         self.postponed_until: datetime | None = None
         self.degraded = False
@@ -389,7 +394,7 @@ class Scheduler:
             upper = state.scan_upper_pending_sequence
             f.scan = _Scan(state.scan_generation, upper)
             f.scan.ending = upper is None or isinstance(f.spec.policy, Disabled)
-        f.request_pass = _RequestPass()
+        f.request_pass = _RequestPass(full=True)  # this term holds no key yet
 
     def on_lease_lost(self) -> None:
         """Drop every in-memory record; nothing is decided until ``restore``.
@@ -490,7 +495,10 @@ class Scheduler:
             # page can therefore still fill every free place.
             wanted = f.limit - len(f.ready) + len(f.keys)
             requests = FetchRequests(
-                f.name, f.request_pass.after_sequence, min(f.spec.page_size, wanted)
+                f.name,
+                f.request_pass.after_sequence,
+                min(f.spec.page_size, wanted),
+                skip_backoff=not f.request_pass.full,
             )
         scan_due = (
             scan is None
@@ -544,18 +552,21 @@ class Scheduler:
 
     # --- events ----------------------------------------------------------------------------------
 
-    def on_notify(self, family: str) -> None:
+    def on_notify(self, family: str, *, full: bool = False) -> None:
         """A request (or dirty) notification: ensure a request-discovery pass.
 
         Notifications are counted; a pass that finishes after the count moved runs once more,
-        so notifications during a pass coalesce into exactly one extra pass.
+        so notifications during a pass coalesce into exactly one extra pass. ``full``: that
+        pass also reads Scopes in a recorded backoff (a key this term may not hold).
         """
         f = self._family(family)
         if not f.restored:
             return  # restore() runs a full pass anyway
         f.notifications += 1
+        f.want_full = f.want_full or full
         if f.request_pass is None:
-            f.request_pass = _RequestPass()
+            f.request_pass = _RequestPass(full=f.want_full)
+            f.want_full = False
 
     def set_paused(self, family: str, paused: bool) -> None:
         """Pause (no new dispatch; running Workers finish, discovery fills the ready queue) or
@@ -571,7 +582,7 @@ class Scheduler:
         released = f.parked - new
         f.parked = new
         if released:
-            self.on_notify(family)
+            self.on_notify(family, full=True)  # dropped while parked: maybe in a backoff
 
     def retry_now(self, family: str, scope_id: str, now: datetime) -> bool:
         """An operator's retry: a key waiting for its backoff is due now (its failure count
@@ -580,7 +591,7 @@ class Scheduler:
         f = self._family(family)
         key = f.keys.get(scope_id)
         if key is None:
-            self.on_notify(family)
+            self.on_notify(family, full=True)  # a free key: its recorded backoff may be stale
             return False
         if key.state is not KeyState.RETRY_WAIT:
             return False
@@ -666,8 +677,9 @@ class Scheduler:
             current.after_sequence = row.pending_sequence
         if not exhausted and progressed:
             return
-        if f.notifications != current.started_at:
-            f.request_pass = _RequestPass(started_at=f.notifications)  # one more, at once
+        if f.notifications != current.started_at:  # one more, at once
+            f.request_pass = _RequestPass(started_at=f.notifications, full=f.want_full)
+            f.want_full = False
         else:
             f.request_pass = None
 

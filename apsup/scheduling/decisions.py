@@ -67,6 +67,11 @@ class FetchRequests:
     family: str
     after_sequence: int
     limit: int
+    #: Leave out Scopes whose recorded backoff has not ended (their failure state names a
+    #: next attempt later than now): the core holds each of them in memory, waiting, so
+    #: reading them again would only be skipped, and a notification would cost a page per
+    #: hundred failing Scopes instead of the new requests' pages. False after restore.
+    skip_backoff: bool = False
 
 
 @dataclass(frozen=True)

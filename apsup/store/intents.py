@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
@@ -35,6 +36,7 @@ from apsup.store.schema import (
     SCOPE_LENGTH,
     counters,
     intents,
+    scope_states,
 )
 
 c = intents.c
@@ -479,11 +481,43 @@ def dirty_page(
 
 
 def request_page(
-    conn: Connection, binding: str, after_sequence: int, limit: int
+    conn: Connection,
+    binding: str,
+    after_sequence: int,
+    limit: int,
+    *,
+    backoff_at: datetime | None = None,
+    failed_after: datetime | None = None,
 ) -> list[tuple[str, int]]:
-    """(scope_id, pending_sequence) with requested > handled, in order."""
-    params = {"p_binding": binding, "p_after": after_sequence, "p_limit": limit}
-    return [(r[0], int(r[1])) for r in conn.execute(_REQUEST_PAGE, params)]
+    """(scope_id, pending_sequence) with requested > handled, in order.
+
+    ``backoff_at`` and ``failed_after`` (both database time, both or neither): leave out the
+    Scopes whose recorded failure state names a next attempt later than ``backoff_at`` for a
+    failure recorded after ``failed_after`` (the leader's term start): the leader holds each
+    of them in memory, waiting. A Scope whose backoff an earlier term recorded is read: the
+    current term may not hold it."""
+    params: dict[str, Any] = {"p_binding": binding, "p_after": after_sequence, "p_limit": limit}
+    if backoff_at is None or failed_after is None:
+        return [(r[0], int(r[1])) for r in conn.execute(_REQUEST_PAGE, params)]
+    params["p_now"], params["p_since"] = backoff_at, failed_after
+    return [(r[0], int(r[1])) for r in conn.execute(_REQUEST_PAGE_NO_BACKOFF, params)]
+
+
+def not_in_backoff(now: Any, since: Any) -> ColumnElement[bool]:
+    """An intent row's Scope has no backoff running at ``now`` for a failure recorded after
+    ``since`` (values or SQL expressions of database time): one primary-key probe of its
+    failure state."""
+    s = scope_states.c
+    return ~(
+        select(s.scope_id)
+        .where(
+            s.binding_name == c.binding_name,
+            s.scope_id == c.scope_id,
+            s.next_attempt_at > now,
+            s.last_failure_at > since,
+        )
+        .exists()
+    )
 
 
 # Prebuilt like ``_GET``: the host runs it about once per few dispatches under a backlog.
@@ -496,6 +530,12 @@ _REQUEST_PAGE = (
     )
     .order_by(c.pending_sequence)
     .limit(bindparam("p_limit"))
+)
+_REQUEST_PAGE_NO_BACKOFF = _REQUEST_PAGE.where(
+    not_in_backoff(
+        bindparam("p_now", type_=scope_states.c.next_attempt_at.type),
+        bindparam("p_since", type_=scope_states.c.last_failure_at.type),
+    )
 )
 
 

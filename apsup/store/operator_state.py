@@ -19,6 +19,7 @@ from typing import Any
 from sqlalchemy import Connection, Table, and_, delete, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 
+from apsup.store.intents import not_in_backoff
 from apsup.store.schema import binding_states, family_controls, intents, scope_states
 
 #: ``last_error`` is stored cut to this many characters (already redacted by the caller).
@@ -178,19 +179,23 @@ def controls(conn: Connection, bindings: Iterable[str]) -> dict[str, FamilyContr
     return {r[0]: FamilyControl(r[0], bool(r[1]), int(r[2])) for r in rows}
 
 
-def poll(conn: Connection, bindings: Iterable[str]) -> tuple[set[str], dict[str, FamilyControl]]:
+def poll(
+    conn: Connection, bindings: Iterable[str], *, now: Any = None, since: Any = None
+) -> tuple[set[str], dict[str, FamilyControl]]:
     """An elected leader's poll in one statement: which of ``bindings`` have an explicit request
     pending (one index probe each, ``ix_intents_request``) and each one's operator controls. A
-    binding without its state row (not yet established) is not reported."""
+    binding without its state row (not yet established) is not reported. ``now`` and
+    ``since`` (database time; see ``intents.request_page``): requests of Scopes in a backoff
+    of a failure recorded after ``since`` do not count (the leader holds them, waiting), so a
+    family whose only requests are failing ones is not notified at every poll."""
     names = sorted(set(bindings))
     if not names:
         return set(), {}
     b, c, f = binding_states.c, intents.c, family_controls.c
-    pending = (
-        select(c.binding_name)
-        .where(c.binding_name == b.binding_name, c.request_pending == 1)
-        .exists()
-    )
+    where = [c.binding_name == b.binding_name, c.request_pending == 1]
+    if now is not None and since is not None:
+        where.append(not_in_backoff(now, since))
+    pending = select(c.binding_name).where(*where).exists()
     rows = conn.execute(
         select(b.binding_name, pending, f.paused, f.control_version)
         .select_from(binding_states.outerjoin(family_controls, f.binding_name == b.binding_name))

@@ -634,11 +634,16 @@ class Host:
             return
         bindings = {fam.binding_name for sup in sups for fam in sup.families.values()}
         with self.backend.read() as conn:  # one statement: requests and operator controls
-            pending, controls = operator_state.poll(conn, bindings)
+            pending, controls = operator_state.poll(
+                conn,
+                bindings,
+                now=self.backend.db_time_sql(),
+                since=max(sup.core_since for sup in sups),  # the latest term start: safe
+            )
         for sup in sups:
             for name, fam in sup.families.items():
                 if fam.binding_name in pending:
-                    sup.notify(name)
+                    sup.notify(name, new_requests=False)  # pending, not necessarily new
             sup.refresh_controls(controls)  # operator actions, seen within one poll
 
     def _refresh_controls(self) -> None:

@@ -90,6 +90,9 @@ class OperatorControls:
         self.paused: dict[str, bool] = dict.fromkeys(families, False)
         self.parked: dict[str, set[str]] = {name: set() for name in families}
         self.failing: dict[str, dict[str, FailingScope]] = {name: {} for name in families}
+        #: The database may record failing Scopes that ``failing`` does not hold (more than
+        #: ``MEMORY_LIMIT`` fail): a success then clears its Scope's state whatever memory says.
+        self.truncated: dict[str, bool] = dict.fromkeys(families, False)
 
     # -- establishment --------------------------------------------------------------------------
     def load(self, conn: Connection) -> None:
@@ -106,6 +109,7 @@ class OperatorControls:
                 s.scope_id: FailingScope.of(s)
                 for s in operator_state.failing(conn, binding, MEMORY_LIMIT)
             }
+            self.truncated[name] = len(self.failing[name]) >= MEMORY_LIMIT
 
     def apply(self, core: Scheduler) -> None:
         for name in self.families:
@@ -196,6 +200,7 @@ class OperatorControls:
         if len(table) > MEMORY_LIMIT:  # keep the worst; the database keeps every one
             worst = sorted(table.values(), key=lambda v: -v.consecutive_failures)[:MEMORY_LIMIT]
             self.failing[family] = {v.scope_id: v for v in worst}
+            self.truncated[family] = True
         try:
             self.backend.run_fenced(
                 term,
@@ -236,10 +241,12 @@ class OperatorControls:
             return 0
         return 0 if state is None else state.consecutive_failures
 
-    def on_success(self, term: Term, family: str, scope_id: str) -> None:
-        """Clear a Scope that was failing (nothing to do, and no write, for any other)."""
-        if self.failing[family].pop(scope_id, None) is None:
-            return
+    def on_success(self, term: Term, family: str, scope_id: str) -> bool:
+        """Clear a Scope that was failing (no write for one known not to fail). False when its
+        recorded state could not be cleared: it may still name a backoff that has not ended,
+        and request passes that leave such Scopes out would not see its next request."""
+        if self.failing[family].pop(scope_id, None) is None and not self.truncated[family]:
+            return True
         fam = self.families[family]
         try:
             self.backend.run_fenced(
@@ -250,6 +257,8 @@ class OperatorControls:
                 "failure state not cleared",
                 extra={"family": family, "scope": scope_id, **error_fields(exc)},
             )
+            return False
+        return True
 
     def view(self, family: str) -> tuple[list[dict[str, Any]], int]:
         """The failing (and parked) Scopes for ``/status``, worst first, and how many fail."""

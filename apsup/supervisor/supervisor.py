@@ -60,6 +60,9 @@ log = logging.getLogger("apsup.supervisor")
 #: delay, doubling while it keeps failing, up to the maximum.
 ERROR_DELAY = 0.5
 ERROR_DELAY_MAX = 5.0
+#: A failure recorded less than this after a term's core was built may be an earlier term's
+#: (another host's clock): request pages read such a Scope even while its backoff runs.
+BACKOFF_TERM_MARGIN = timedelta(seconds=2)
 #: A failed term establishment is retried after this delay, doubling up to the cap.
 ESTABLISH_RETRY_INITIAL = 0.2
 ESTABLISH_RETRY_MAX = 5.0
@@ -76,7 +79,8 @@ CLASSIFY_RETRY_INITIAL = 0.1
 CLASSIFY_RETRY_MAX = 5.0
 #: How long a row read ahead for a dispatch may be used (same term only). A READY key's
 #: ``handled`` cannot move meanwhile (only this term's Workers acknowledge, and none runs for
-#: it); the bound keeps other changes (a request, an operator's action) from ageing in it.
+#: it). A request announced by a wake-up drops the family's rows at once (``notify``); the
+#: bound keeps the rest (a request only the poll found, an operator's action) from ageing.
 READ_AHEAD_SECONDS = 1.0
 #: How long confirmed exits may wait for the exits of other running Workers before they are
 #: acknowledged and classified: exits a few milliseconds apart share one fenced transaction
@@ -187,6 +191,7 @@ class Supervisor:
         self.rng = rng or random.Random()
         self.backoff = backoff  # None: the RFC §7 default (about 30 s doubling to 30 min)
         self.core: Scheduler | None = None
+        self.core_since = datetime.max  # see BACKOFF_TERM_MARGIN; set with each core
         self.term: Term | None = None
         #: Whether the held term may still act on this host's own clock (its renew deadline;
         #: set by the host on elected backends, ``apsup.supervisor.lease_keeper``).
@@ -332,6 +337,9 @@ class Supervisor:
                 self.reconciling[name] = _Reconciliation(state)
         self.controls.apply(core)
         self.core = core
+        # Failures recorded after this (less a margin for the clocks of earlier terms' hosts)
+        # are this term's: their keys wait in this core, so request pages may leave them out.
+        self.core_since = self.now() + BACKOFF_TERM_MARGIN
         self.establish_error = None
         self.establish_failures = 0
         log.info(
@@ -547,7 +555,14 @@ class Supervisor:
             fam = self.families[d.family]
             t0 = time.perf_counter()
             with self.backend.read() as conn:
-                rows2 = intents.request_page(conn, fam.binding_name, d.after_sequence, d.limit)
+                rows2 = intents.request_page(
+                    conn,
+                    fam.binding_name,
+                    d.after_sequence,
+                    d.limit,
+                    backoff_at=self.now() if d.skip_backoff else None,
+                    failed_after=self.core_since,
+                )
             self.hooks.observe_discovery(d.family, time.perf_counter() - t0)
             core.on_request_page(
                 d.family, [RequestRow(s, seq) for s, seq in rows2], len(rows2) < d.limit
@@ -863,7 +878,8 @@ class Supervisor:
         stopped = inv.worker_id in self.operator_stopped
         self.operator_stopped.discard(inv.worker_id)
         if outcome is Outcome.SUCCESS:
-            self.controls.on_success(self.term, fam.name, inv.scope_id)
+            if not self.controls.on_success(self.term, fam.name, inv.scope_id):
+                self.core.on_notify(fam.name, full=True)  # its stale backoff must not hide it
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("invocation succeeded", extra=_success_fields(inv, ex.duration))
         if outcome is not Outcome.SUCCESS:
@@ -1092,8 +1108,19 @@ class Supervisor:
                 times.append(core_due)
         return min(times, default=None)
 
-    def notify(self, family: str) -> None:
-        if self.core is not None and family in self.families:
+    def notify(self, family: str, *, new_requests: bool = True) -> None:
+        """A request notification for ``family``. ``new_requests``: it announces requests
+        committed since it was sent (a publisher's wake-up; not the poll, which reports any
+        pending request): the family's rows read ahead are dropped, so a key queued when a
+        request for it arrived starts with that request's G (queued requests coalesce into
+        the invocation that starts) instead of an older one and a successor after it."""
+        if family not in self.families:
+            return
+        if new_requests and self._rows:
+            binding = self.families[family].binding_name
+            for key in [k for k in self._rows if k[0] == binding]:
+                del self._rows[key]
+        if self.core is not None:
             self.core.on_notify(family)
 
     def notify_all(self) -> None:

@@ -42,6 +42,7 @@ from apsup.scheduling import (
     Scheduler,
     StartScan,
 )
+from apsup.supervisor.supervisor import BACKOFF_TERM_MARGIN
 
 from .model import CursorConflict, ModelStore, StaleTerm
 
@@ -319,6 +320,7 @@ class Simulation:
             b = self.store.bindings[name]
             state = BindingState(b.checkpoint, b.scan_generation, b.scan_in_progress, b.upper)
             self.scheduler.restore(name, state)
+        self.term_started = self.now
         self.log(f"term {self.store.term} established (host {self.host})")
 
     def prefill(self) -> None:
@@ -492,7 +494,10 @@ class Simulation:
         elif isinstance(d, FetchRequests):
             if self.inject_error(sched, d, "request_page"):
                 return
-            requests, more = store.request_page(d.family, d.after_sequence, d.limit)
+            at = self.now if d.skip_backoff else None
+            requests, more = store.request_page(
+                d.family, d.after_sequence, d.limit, at, self.term_started + BACKOFF_TERM_MARGIN
+            )
             self.log("  ->", requests, "exhausted =", more)
             sched.on_request_page(d.family, requests, more)
         elif isinstance(d, Dispatch):
@@ -688,6 +693,13 @@ class Simulation:
         hist.last_exit, hist.last_outcome = self.now, outcome
         assert self.scheduler is not None
         self.scheduler.on_worker_exit(w.family, w.scope, outcome, more, self.now, token=w.token)
+        # As the shell: the failure state records the next attempt; a success clears it.
+        if outcome is Outcome.SUCCESS:
+            self.store.backoff_until.pop(key, None)
+        elif outcome in (Outcome.FAILURE, Outcome.TIMEOUT):
+            info = self.scheduler.key_info(w.family, w.scope)
+            if info is not None and info.retry_at is not None:
+                self.store.backoff_until[key] = (info.retry_at, self.now)
 
     # --- invariants ------------------------------------------------------------------------------
 

@@ -54,6 +54,9 @@ class ModelStore:
         self.auto_admitted: set[tuple[str, str, int]] = set()
         # scopes with requested > handled, kept up to date so checks need not scan every row
         self.open_requests: dict[str, set[str]] = {f: set() for f in families}
+        #: (family, scope) -> (next attempt, failed at) the shell recorded at its last failure
+        #: (the failure state table); removed at a success, kept across terms like the row.
+        self.backoff_until: dict[tuple[str, str], tuple[datetime, datetime]] = {}
 
     # --- domain side (no term: APIs need not be leaders) -----------------------------------------
 
@@ -125,11 +128,28 @@ class ModelStore:
         if b.scan_generation == generation:
             b.scan_in_progress = False
 
-    def request_page(self, family: str, after: int, limit: int) -> tuple[list[RequestRow], bool]:
+    def request_page(
+        self,
+        family: str,
+        after: int,
+        limit: int,
+        backoff_at: datetime | None = None,
+        failed_after: datetime | None = None,
+    ) -> tuple[list[RequestRow], bool]:
+        """``backoff_at``/``failed_after``: leave out Scopes whose recorded next attempt is
+        later, for a failure recorded after ``failed_after`` (the shell's failure state,
+        ``backoff_until``), as the real page does."""
+
+        def hidden(scope: str) -> bool:
+            if backoff_at is None or failed_after is None:
+                return False
+            until, failed_at = self.backoff_until.get((family, scope), (None, None))
+            return until is not None and until > backoff_at and failed_at > failed_after
+
         matching = [
             RequestRow(scope, r.pending_sequence)
             for scope, r in self.intents[family].items()
-            if r.requested > r.handled and r.pending_sequence > after
+            if r.requested > r.handled and r.pending_sequence > after and not hidden(scope)
         ]
         return matching[:limit], len(matching) <= limit
 

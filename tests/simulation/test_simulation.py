@@ -139,8 +139,8 @@ MUTANTS: dict[str, tuple[list[tuple[str, str]], str]] = {
     "restore without request recovery": (
         [
             (
-                "        f.request_pass = _RequestPass()\n\n    def on_lease_lost",
-                "        f.request_pass = None\n\n    def on_lease_lost",
+                "        f.request_pass = _RequestPass(full=True)",
+                "        f.request_pass = None",
             )
         ],
         r"stranded|did not converge",
