@@ -34,13 +34,38 @@ def _import_apps(modules: Sequence[str]) -> Registry:
     cwd = os.getcwd()
     if cwd not in sys.path:
         sys.path.insert(0, cwd)
+    empty_packages = []
     for name in modules:
+        before = len(default_registry)
         try:
-            importlib.import_module(name)
+            module = importlib.import_module(name)
         except ImportError as exc:
             raise ConfigError(f"--app {name!r} cannot be imported: {exc}") from exc
+        if len(default_registry) == before and hasattr(module, "__path__"):
+            empty_packages.append((name, module))
+    if not len(default_registry):
+        for name, module in empty_packages:
+            _package_without_families(name, module)
     default_registry.validate()
     return default_registry
+
+
+def _package_without_families(name: str, package: Any) -> None:
+    """A package whose import registers no family (``--app apsup.families``): name the modules
+    inside it that do, rather than report an empty registry."""
+    import pkgutil
+
+    inner = sorted(
+        f"{name}.{m.name}"
+        for m in pkgutil.iter_modules(package.__path__)
+        if not m.name.startswith("_")
+    )
+    if not inner:
+        return
+    raise ConfigError(
+        f"--app {name!r} is a package that registers no family itself; name its modules: "
+        + " ".join(f"--app {m}" for m in inner)
+    )
 
 
 def _settings(args: argparse.Namespace, registry: Registry) -> Any:
@@ -159,7 +184,7 @@ def _positive_int(raw: str) -> int:
 
 
 def cmd_trigger(args: argparse.Namespace) -> int:
-    from apsup.store import open_backend
+    from apsup.store import backend_kind, open_backend
     from apsup.supervisor.control import notify
 
     registry = _import_apps(args.app)
@@ -173,11 +198,12 @@ def cmd_trigger(args: argparse.Namespace) -> int:
             generation = fam.request(conn, scope)
     finally:
         backend.dispose()
-    delivered = notify(url, fam.name)
-    print(
-        f"accepted: {fam.name} scope {args.scope!r} requested generation {generation}"
-        + ("" if delivered else " (no local host notified; it is recovered when one runs)")
-    )
+    if backend_kind(url) == "sqlite":
+        delivered = notify(url, fam.name)
+        note = "" if delivered else " (no local host notified; it is recovered when one runs)"
+    else:  # the commit nudged the leaders membership names; their poll is the safety net
+        note = " (the leader is woken at once, else its poll finds it)"
+    print(f"accepted: {fam.name} scope {args.scope!r} requested generation {generation}{note}")
     return 0
 
 

@@ -10,6 +10,7 @@ only on explicit requests. Producers write domain input from a thread, as an app
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import shlex
@@ -20,11 +21,14 @@ from pathlib import Path
 from typing import TextIO
 
 from apsup.families import experience, handoff, profile, topic_memory
+from apsup.observability.metrics import SupervisorMetrics
+from apsup.observability.worker_logs import WorkerLogRelay
 from apsup.policy import Interval
 from apsup.registry import Family
 from apsup.store import migrate, open_backend
 from apsup.supervisor.host import Host
 from apsup.supervisor.launcher import build_host
+from apsup.supervisor.runtime import MetricsHooks
 
 POISONED_SCOPE = "topic-3"
 
@@ -112,7 +116,17 @@ def run_demo(
     migrate(url, reference_families=True)
     _seed(url)
     families = demo_families()
-    bundle = build_host(url, families, shutdown_grace=5.0)
+    # As ``apsup run`` does: the Workers' exceptions reach the host, which records their
+    # message in the failure state (``apsup status`` then shows the real error).
+    relay = WorkerLogRelay(level=logging.WARNING)  # the screen is the demo's own report
+    hooks = MetricsHooks(SupervisorMetrics(families=[f.name for f in families]), relay)
+    try:
+        bundle = build_host(
+            url, families, shutdown_grace=5.0, worker_settings=relay.env(), hooks=hooks
+        )
+    except BaseException:
+        relay.close()
+        raise
     host = bundle.host
     stop = threading.Event()
     producer = threading.Thread(target=_produce, args=(url, stop), daemon=True)
@@ -135,6 +149,7 @@ def run_demo(
         completed = dict(host.supervisors[0].completed)
         host.shutdown()
         bundle.close()
+        relay.close()
     out.write(
         "demo finished: "
         + ", ".join(f"{name} {count} completed" for name, count in sorted(completed.items()))

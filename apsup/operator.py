@@ -74,6 +74,12 @@ def _known(conn: Connection, fam: Family, scope_id: str) -> str:
 
 def retry(conn: Connection, fam: Family, scope_id: str) -> str:
     scope_id = _known(conn, fam, scope_id)
+    state = operator_state.scope_state(conn, fam.binding_name, scope_id)
+    if state is None or state.consecutive_failures == 0:  # no backoff to cut short
+        return (
+            f"{fam.name} {scope_id!r}: not failing; nothing to retry (its requests run as "
+            "they come; `apsup trigger` asks for another invocation)"
+        )
     operator_state.set_scope_flags(conn, fam.binding_name, scope_id, {"retry_requested": True})
     operator_state.bump(conn, fam.binding_name, at=_now())
     return f"{fam.name} {scope_id!r}: retry requested; the leader attempts it within one poll"

@@ -16,7 +16,8 @@
 # --base-port 0 picks free ports (global mode).
 # Environment: APSUP_PYTHON (default .venv/bin/python; any interpreter with apsup[mysql]
 # installed), POWERCONTEXT_SERVER_RUNTIME_* are passed through (e.g. family settings);
-# lease/renew/poll default to 3/1/0.5 s here. --app modules are imported as `apsup run` does:
+# lease/renew/poll default to 3/1/0.5 s here; APSUP_CLUSTER_STATE: the state folder (default
+# var/local-cluster; a second cluster needs its own). --app modules are imported as `apsup run` does:
 # installed, on PYTHONPATH, or in the current directory. The reference families (the default
 # app, apsup.families.*) get their tables: the migration adds --with-reference-families.
 # tests/replicas/ mirrors this layout in Python for the fault tests.
@@ -51,12 +52,23 @@ done
 [ -x "$PY" ] || die "no python at $PY (run ./run setup, or set APSUP_PYTHON)"
 case $MODE in global | dedicated) ;; *) die "--mode must be global or dedicated" ;; esac
 
-STATE=$ROOT/var/local-cluster
+STATE=${APSUP_CLUSTER_STATE:-$ROOT/var/local-cluster}
 mkdir -p "$STATE"
+# Another cluster's replicas still running from this state folder: their logs, pids and the
+# DSN hint would be overwritten under them.
+for pidfile in "$STATE"/*.pid; do
+    [ -e "$pidfile" ] || continue
+    pid=$(cat "$pidfile" 2>/dev/null || true)
+    if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null &&
+        tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q "apsup.cli run"; then
+        die "a local cluster already runs from $STATE (pid $pid, $(basename "$pidfile" .pid)); stop it, or set APSUP_CLUSTER_STATE to another folder"
+    fi
+done
 PIDS=()
 NAMES=()
 SERVER_PID=
 SERVER_DIR=
+SLEEP_PID=
 
 APP_ARGS=()
 for app in "${APPS[@]}"; do APP_ARGS+=(--app "$app"); done
@@ -64,6 +76,7 @@ for app in "${APPS[@]}"; do APP_ARGS+=(--app "$app"); done
 stop_all() {
     local i pid
     trap - EXIT INT TERM
+    [ -z "$SLEEP_PID" ] || kill "$SLEEP_PID" 2>/dev/null || true
     for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
     for i in "${!PIDS[@]}"; do
         pid=${PIDS[$i]}
@@ -198,8 +211,12 @@ echo "local-cluster: running (mode $MODE); /healthz /readyz /metrics /status on 
 echo "local-cluster: trigger work with:" \
     "$PY -m apsup.cli trigger FAMILY SCOPE ${APP_ARGS[*]} --db \"\$(cat $STATE/db-url)\""
 echo "local-cluster: watch it with: $PY -m apsup.cli status --db \"\$(cat $STATE/db-url)\""
+# Sleep in the background and wait for it: bash runs a trap only between foreground commands,
+# so a foreground sleep would leave SIGTERM unanswered until it ended.
 if [ "$SECONDS_TO_RUN" != 0 ]; then
-    sleep "$SECONDS_TO_RUN"
+    sleep "$SECONDS_TO_RUN" &
+    SLEEP_PID=$!
+    wait "$SLEEP_PID"
     "$PY" - "$STATE" "${NAMES[@]}" <<'PYEOF' || die "a replica is not healthy after ${SECONDS_TO_RUN}s (logs in $STATE)"
 import json, sys, urllib.error, urllib.request
 state, names = sys.argv[1], sys.argv[2:]
@@ -224,6 +241,10 @@ print(f"local-cluster: {len(names) - len(bad)} of {len(names)} replicas ready, n
 sys.exit(1 if bad else 0)
 PYEOF
 else
-    echo "local-cluster: Ctrl-C to stop"
-    while :; do sleep 3600; done
+    echo "local-cluster: Ctrl-C (or SIGTERM) to stop"
+    while :; do
+        sleep 3600 &
+        SLEEP_PID=$!
+        wait "$SLEEP_PID"
+    done
 fi

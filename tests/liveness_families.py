@@ -18,6 +18,7 @@ noackwait  wait for ``go.<scope>``, then return without acknowledging
 fencedpark sit inside ``ctx.fenced()`` for N seconds (``fencedpark.6``), then acknowledge
 fail       raise RuntimeError, every time
 ackfail    acknowledge, then raise RuntimeError
+failslow   raise RuntimeError at the first attempt, then run for 120 s (a failing Scope, running)
 count      append the G it was given to ``starts.<scope>``, then acknowledge
 sysexit    ``sys.exit(N)`` with N the part after the first ``.`` (``sysexit.9``)
 osexit     ``os._exit(N)``, likewise
@@ -127,6 +128,13 @@ def behave(scope_id: str, ctx: ExecutionContext) -> None:
         with open(d / f"starts.{scope_id}", "a", encoding="utf-8") as fh:
             fh.write(f"{ctx.claimed_request_generation}\n")
         _ack(ctx)
+    elif kind == "failslow":  # fails once, then runs for two minutes (a failing Scope, running)
+        marker = d / f"attempt.{scope_id}"
+        if not marker.exists():
+            marker.touch()
+            raise RuntimeError("the first attempt fails")
+        (d / f"second.{scope_id}").touch()
+        time.sleep(120)
     elif kind == "ackfail":  # its request handled, then a failure: backoff, nothing pending
         _ack(ctx)
         raise RuntimeError("this Scope fails after its acknowledgment")

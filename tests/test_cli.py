@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PREFIX = "POWERCONTEXT_SERVER_RUNTIME_"
 APPS = ["--app", "apsup.families.topic_memory", "--app", "apsup.families.profile"]
 
@@ -66,3 +68,35 @@ def test_demo_runs_the_reference_families_on_sqlite(tmp_path: Path) -> None:
     }
     assert counts.get("topic-memory", 0) > 0 and counts.get("handoff", 0) > 0, counts
     assert oct(db.stat().st_mode & 0o777) == "0o600"
+    # The status it hints at names the failing Scope's real error, not just an exit code.
+    status = apsup("status", "--db", f"sqlite:///{db}", "--once")
+    assert status.returncode == 0, status.stderr
+    assert "cannot process source position" in status.stdout, status.stdout[-2000:]
+    assert "exited with code" not in status.stdout
+
+
+def test_a_package_of_families_is_answered_with_its_modules() -> None:
+    """``--app apsup.families`` (the package, whose import registers nothing) names the modules
+    to pass instead of saying that no family is registered."""
+    out = apsup("check-config", "--app", "apsup.families")
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "--app apsup.families.topic_memory" in lines[0], lines[0]
+    assert "no family is registered" not in lines[0]
+    both = apsup("check-config", "--app", "apsup.families", "--app", "apsup.families.profile")
+    assert both.returncode == 0, both.stderr  # with a module that registers one: fine
+
+
+@pytest.mark.backends("mysql")
+def test_trigger_on_mysql_does_not_claim_that_no_host_was_told(db_url: str) -> None:
+    """On MySQL the request's commit nudges the leaders (their poll is the safety net): the
+    SQLite-only "no local host notified" was wrong there."""
+    from apsup.store import migrate
+
+    migrate(db_url, reference_families=True)
+    out = apsup("trigger", "topic-memory", "t-1", *APPS, "--db", db_url)
+    assert out.returncode == 0, out.stderr
+    assert "accepted: topic-memory scope 't-1'" in out.stdout
+    assert "no local host notified" not in out.stdout
+    assert "the leader is woken at once" in out.stdout

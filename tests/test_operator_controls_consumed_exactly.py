@@ -31,7 +31,7 @@ def test_a_stop_committed_while_the_leader_acts_on_a_retry_is_not_lost(
     backend = open_backend(db_url)
     operator_side = open_backend(db_url)
     fam = lf.live_work
-    scope = "slow.race"
+    scope = "failslow.race"  # failing (its first attempt failed), then running
     read_held = operator_state.held
     raced: list[str] = []
 
@@ -46,7 +46,7 @@ def test_a_stop_committed_while_the_leader_acts_on_a_retry_is_not_lost(
         request(backend, fam, scope)
         with live_host(db_url, [fam], tmp_path) as b:
             sup = b.host.supervisors[0]
-            cycle_until(b.host, (tmp_path / f"started.{scope}").exists, 30, "Worker started")
+            cycle_until(b.host, (tmp_path / f"second.{scope}").exists, 30, "its retry running")
             monkeypatch.setattr(operator_state, "held", held_then_a_stop_commits)
             with backend.transaction() as conn:
                 operator.retry(conn, fam, scope)

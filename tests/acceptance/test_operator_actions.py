@@ -223,7 +223,7 @@ def test_the_cli_says_what_it_changed_and_refuses_unknown_names(store) -> None:
     for args, expect in (
         (["scopes", "park", fam.name, "ok.c"], "parked"),
         (["scopes", "unpark", fam.name, "ok.c"], "unparked"),
-        (["scopes", "retry", fam.name, "ok.c"], "retry requested"),
+        (["scopes", "retry", fam.name, "ok.c"], "not failing; nothing to retry"),
         (["scopes", "stop", fam.name, "ok.c"], "stop requested"),
         (["families", "pause", fam.name], "paused"),
         (["families", "resume", fam.name], "resumed"),

@@ -12,8 +12,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -155,12 +157,13 @@ def test_dockerfile_and_systemd_unit() -> None:
 
 @pytest.mark.mysql_only
 @pytest.mark.timeout(180)
-def test_local_cluster_script_starts_one_leader_and_standbys(db_url: str) -> None:
+def test_local_cluster_script_starts_one_leader_and_standbys(db_url: str, tmp_path: Path) -> None:
     script = DEPLOY / "local-cluster.sh"
     assert os.access(script, os.X_OK)
     Cluster.prepare(db_url)
     env = {k: v for k, v in os.environ.items() if not k.startswith(PREFIX)}
     env["APSUP_PYTHON"] = sys.executable
+    env["APSUP_CLUSTER_STATE"] = str(tmp_path / "state")  # never a developer's running cluster
     out = subprocess.run(
         [
             *("bash", str(script), "--url", db_url, "--background", "2", "--api", "1"),
@@ -190,6 +193,7 @@ def test_local_cluster_runs_its_default_app_ready_and_not_degraded(
     script = DEPLOY / "local-cluster.sh"
     env = {k: v for k, v in os.environ.items() if not k.startswith(PREFIX)}
     env["APSUP_PYTHON"] = sys.executable
+    env["APSUP_CLUSTER_STATE"] = str(tmp_path / "state")
     env.pop("PYTHONPATH", None)
     out = subprocess.run(
         [
@@ -211,3 +215,51 @@ def test_local_cluster_runs_its_default_app_ready_and_not_degraded(
     )
     assert shown.returncode == 0, shown.stderr
     assert "topic-memory" in shown.stdout
+
+
+@pytest.mark.mysql_only
+@pytest.mark.timeout(180)
+def test_local_cluster_stops_on_sigterm_while_idle_and_guards_its_state(
+    db_url: str, tmp_path: Path
+) -> None:
+    """Idle (no --seconds) it answers SIGTERM at once: every replica stopped, exit 143 (a
+    foreground sleep used to hold the trap for up to an hour). A second cluster started on the
+    same state folder is refused in one line instead of overwriting the first one's files."""
+    script = DEPLOY / "local-cluster.sh"
+    Cluster.prepare(db_url)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(PREFIX)}
+    env["APSUP_PYTHON"] = sys.executable
+    env["APSUP_CLUSTER_STATE"] = str(tmp_path / "state")
+    args = ["bash", str(script), "--url", db_url, "--background", "1", "--api", "0"]
+    args += ["--app", "tests.replicas.cli_app", "--base-port", "0"]
+    first = subprocess.Popen(
+        args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=str(REPO_ROOT),
+    )  # fmt: skip
+    try:
+        assert first.stdout is not None
+        lines = []
+        for line in first.stdout:
+            lines.append(line)
+            if "to stop" in line:
+                break
+        assert any("running (mode global)" in line for line in lines), "".join(lines)
+        second = subprocess.run(
+            args, env=env, capture_output=True, text=True, timeout=60, cwd=str(REPO_ROOT)
+        )
+        assert second.returncode == 1
+        assert "a local cluster already runs from" in second.stderr, second.stderr
+        assert len(second.stderr.strip().splitlines()) == 1, second.stderr
+        time.sleep(1.0)  # idle in its wait
+        t0 = time.monotonic()
+        first.send_signal(signal.SIGTERM)
+        rest = first.stdout.read()
+        code = first.wait(60)
+        took = time.monotonic() - t0
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert code == 143, rest
+    assert "local-cluster: stopped" in rest
+    assert took < 30, took  # the replica's drain, not an hour of sleep
