@@ -167,8 +167,8 @@ family_controls = Table(
     Column("control_version", BigInteger, nullable=False, server_default=text("0")),
 )
 
-#: One row per running host process (keyed by its holder id), refreshed with its lease
-#: cadence in database time; a row older than the Lease belongs to a dead process.
+#: One row per running host process (keyed by its holder id), refreshed four times per Lease
+#: in database time; a row older than two Leases belongs to a dead process (``membership``).
 replicas = Table(
     "pc_artifact_processing_replicas",
     metadata,
