@@ -166,6 +166,9 @@ def test_reconfiguring_replaces_the_handler(configure) -> None:
         ("client_secret: 'quoted value'", "quoted value"),
         ("api-key=k-123&x=1", "k-123"),
         ("Authorization: Bearer eyJhbGciOi.abc.def", "eyJhbGciOi"),
+        ("login failed: password hunter2 rejected", "hunter2"),  # prose, no '=' or ':'
+        ("the token is s3cr3t-value", "s3cr3t-value"),
+        ("RuntimeError(cannot connect, password=hunter2)", "hunter2"),
     ],
 )
 def test_redact_rules(text: str, leak: str) -> None:
@@ -175,6 +178,8 @@ def test_redact_rules(text: str, leak: str) -> None:
 def test_redact_keeps_ordinary_text() -> None:
     text = "family=topic-memory scope=s-1 retry_delay=2.5 url=https://example.org/a"
     assert redact(text) == text
+    prose = "password authentication failed for user root; token expired"
+    assert redact(prose) == prose
 
 
 def test_safe_url_masks_password_and_drops_query() -> None:

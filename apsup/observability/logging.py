@@ -79,6 +79,88 @@ _PAIR = re.compile(
     """
 )
 _BEARER = re.compile(r"(?i)\b(bearer\s+)[A-Za-z0-9._~+/\-]+=*")
+#: Prose: "password hunter2", "token is abc123" (no ``=`` or ``:``). The word after the key is
+#: masked unless it is plainly prose ("password authentication failed"): over-masking a word
+#: is the safe failure, a stop list only keeps common messages readable.
+_PROSE = re.compile(
+    rf"""(?ix)
+    (?P<key>\b[\w.\-]*{_SENSITIVE}[\w\-]*)
+    (?P<sep>\s+(?:(?:is|was|of|equals)\s+)?)
+    (?P<val>[^\s"',;&)}}\]=:]+)
+    """
+)
+_PROSE_WORDS = frozenset(
+    [
+        "a",
+        "an",
+        "the",
+        "and",
+        "or",
+        "for",
+        "to",
+        "in",
+        "on",
+        "at",
+        "by",
+        "with",
+        "from",
+        "not",
+        "no",
+        "is",
+        "was",
+        "are",
+        "be",
+        "been",
+        "has",
+        "have",
+        "had",
+        "must",
+        "may",
+        "can",
+        "cannot",
+        "could",
+        "should",
+        "will",
+        "would",
+        "did",
+        "does",
+        "do",
+        "authentication",
+        "auth",
+        "incorrect",
+        "wrong",
+        "invalid",
+        "expired",
+        "missing",
+        "required",
+        "rejected",
+        "refused",
+        "denied",
+        "failed",
+        "failure",
+        "error",
+        "mismatch",
+        "set",
+        "unset",
+        "empty",
+        "given",
+        "provided",
+        "field",
+        "fields",
+        "policy",
+        "reset",
+        "change",
+        "changed",
+        "length",
+        "too",
+        "hash",
+        "hashes",
+        "file",
+        "files",
+        "value",
+        "values",
+    ]
+)
 
 _secrets_lock = threading.Lock()
 _secrets: set[str] = set()
@@ -137,7 +219,15 @@ def redact(text: str) -> str:
         text = pattern.sub(MASK, text)
     text = _URL_USERINFO.sub(rf"\g<head>:{MASK}@", text)
     text = _PAIR.sub(_mask_pair, text)
-    return _BEARER.sub(rf"\g<1>{MASK}", text)
+    text = _BEARER.sub(rf"\g<1>{MASK}", text)
+    return _PROSE.sub(_mask_prose, text)
+
+
+def _mask_prose(m: re.Match[str]) -> str:
+    val = m.group("val")
+    if val == MASK or val.lower() in _PROSE_WORDS:
+        return m.group(0)
+    return f"{m.group('key')}{m.group('sep')}{MASK}"
 
 
 def safe_url(url: str) -> str:
