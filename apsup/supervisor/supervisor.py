@@ -858,14 +858,18 @@ class Supervisor:
         elif outcome is Outcome.SUCCESS:
             self._storage_ok(fam.name)
         self.hooks.invocation_ended(inv.worker_id, cause)
+        stopped = inv.worker_id in self.operator_stopped and outcome is not Outcome.SUCCESS
         if outcome is Outcome.SUCCESS:
             self.completed[fam.name] += 1
-        elif outcome is not Outcome.CONFLICT:
+        elif outcome is not Outcome.CONFLICT and not stopped:
             self.failed[fam.name] += 1
         if self.core is None or self.term is None or self.term.generation != inv.term_generation:
             return  # dispatched by an earlier term: the current one recovers from durable facts
         if outcome is Outcome.FAILURE and cause == "stale_term":
             self.lose_leadership("a Worker found the term stale")
+            return
+        if stopped:
+            self._stopped_by_operator(inv, outcome, cause, ex)
             return
         prior = 0
         if outcome is Outcome.FAILURE or outcome is Outcome.TIMEOUT:
@@ -875,8 +879,7 @@ class Supervisor:
         self.core.on_worker_exit(
             fam.name, inv.scope_id, outcome, more, self.now(), token=inv.token, prior_failures=prior
         )
-        stopped = inv.worker_id in self.operator_stopped
-        self.operator_stopped.discard(inv.worker_id)
+        self.operator_stopped.discard(inv.worker_id)  # it finished before the stop reached it
         if outcome is Outcome.SUCCESS:
             if not self.controls.on_success(self.term, fam.name, inv.scope_id):
                 self.core.on_notify(fam.name, full=True)  # its stale backoff must not hide it
@@ -884,9 +887,7 @@ class Supervisor:
                 log.debug("invocation succeeded", extra=_success_fields(inv, ex.duration))
         if outcome is not Outcome.SUCCESS:
             details = self.hooks.exit_details(inv.worker_id, ex.exitcode)
-            if stopped:
-                details["error"] = "stopped by the operator (apsup scopes stop); parked"
-            elif not details.get("error") and details.get("exception_type"):
+            if not details.get("error") and details.get("exception_type"):
                 details["error"] = (
                     f"the processor raised {details['exception_type']}; its message is withheld "
                     "(the family sets log_exception_messages=False)"
@@ -928,6 +929,33 @@ class Supervisor:
                     ),
                 },
             )
+
+    def _stopped_by_operator(
+        self, inv: Invocation, outcome: Outcome, cause: str | None, ex: WorkerExit
+    ) -> None:
+        """An invocation the operator stopped (``apsup scopes stop``): not a failure. It counts
+        no failure and sets no backoff (the Scope is parked, its requests kept), so an unpark
+        runs them within a poll; the failure state keeps what it had."""
+        self.operator_stopped.discard(inv.worker_id)
+        assert self.core is not None
+        # Freed like a finished key: the parked Scope is not dispatched, and a request pass
+        # finds its pending requests when it is unparked.
+        self.core.on_worker_exit(
+            inv.family.name, inv.scope_id, Outcome.SUCCESS, False, self.now(), token=inv.token
+        )
+        log.info(
+            "invocation stopped by the operator",
+            extra={
+                "binding": inv.family.binding_name,
+                "family": inv.family.name,
+                "scope": inv.scope_id,
+                "worker_id": inv.worker_id,
+                "term": self.term.generation if self.term else None,
+                "exit_code": ex.exitcode,
+                "error_code": cause,
+                "outcome": outcome.name.lower(),
+            },
+        )
 
     def _record_failure(self, inv: Invocation, error_type: str, message: str) -> None:
         """A launch failure counts as the Scope's failure (its key backs off like one)."""

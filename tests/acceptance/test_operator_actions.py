@@ -7,7 +7,7 @@ operator acts with one command, durably, on whichever replica leads (both backen
 - ``retry`` makes a Scope waiting for a 30 s backoff run within one poll;
 - ``park`` holds a Scope across a restart (a new term: a leadership change), its request kept;
   ``unpark`` runs it;
-- ``stop`` ends the running invocation (SIGTERM), records it as stopped by the operator and
+- ``stop`` ends the running invocation (SIGTERM), counts no failure (no backoff) and
   parks the Scope;
 - ``pause`` starts nothing new (a request waits), ``resume`` runs it; the pause survives a
   restart too;
@@ -183,8 +183,10 @@ def test_park_survives_a_restart_and_unpark_resumes(hosts, store) -> None:
 
 
 def test_stop_ends_the_running_invocation_and_parks_the_scope(hosts, store) -> None:
+    """A stop is the operator's decision, not a failure: it counts none and sets no backoff,
+    so an unpark runs the kept request within a poll (the backoff here is a minute)."""
     fam = configure("acc-manual", disabled=True, max_workers=2, timeout=120)
-    host = hosts.live_host([fam], backoff=(0.2, 0.5))
+    host = hosts.live_host([fam], backoff=(60.0, 60.0))
     request(store, fam, "gate.s")  # waits for a flag that never comes
     host.run_until(lambda: host.supervisor.running, "a running Worker")
     _act(store, operator.stop, fam, "gate.s")
@@ -192,9 +194,15 @@ def test_stop_ends_the_running_invocation_and_parks_the_scope(hosts, store) -> N
     host.run_until(lambda: not host.supervisor.running, "the stopped Worker's exit", limit=30)
     state = _state(store, fam, "gate.s")
     assert state is not None and state.parked and not state.stop_requested
-    assert state.last_error is not None and "stopped by the operator" in state.last_error
-    host.run_for(1.5)  # backoff 0.2 s: a retry would have started by now
+    assert state.consecutive_failures == 0 and state.next_attempt_at is None  # no failure
+    assert host.supervisor.failed[fam.name] == 0
+    host.run_for(1.5)  # parked: nothing runs
     assert len(scope_events(store, fam, "gate.s")) == 1 and not handled(store, fam, "gate.s")
+    assert "unparked" in _act(store, operator.unpark, fam, "gate.s")
+    host.host.wake()
+    host.run_until(
+        lambda: len(scope_events(store, fam, "gate.s")) == 2, "the kept request ran again", limit=10
+    )
 
 
 def test_pause_holds_across_a_restart_and_resume_runs(hosts, store) -> None:
