@@ -23,12 +23,15 @@ import ctypes
 import gc
 import os
 import sys
+from typing import Any
 
 from apsup.context import backend_for
 from apsup.store import backend_kind, intents, open_backend
 from apsup.store.leases import Term, read_lease
 
 ENV = "APSUP_WORKER_WARM_URL"
+#: Seconds the warm-up's write probe waits for the database's write lock (then skipped).
+WRITE_PROBE_WAIT = 0.5
 _PROBE = "\x1fapsup-warm"
 
 
@@ -52,6 +55,26 @@ def warm(url: str) -> None:
     backend = backend_for(url)
     with backend.read() as conn:
         intents.get(conn, _PROBE, _PROBE)
+    # The write probe must not wait out a Worker's lock wait (SQLite: 30 s) behind another
+    # process's write lock: the host's startup waits for the forkserver, silently. Warming is
+    # an optimisation; a busy database is warmed by the first Workers instead.
+    busy = getattr(backend, "busy_timeout", None)
+    if busy is not None:
+        backend.busy_timeout = min(busy, WRITE_PROBE_WAIT)
+    try:
+        _warm_writes(backend)
+    finally:
+        if busy is not None:
+            backend.busy_timeout = busy
+    # No connection survives into a forked Worker. ``pool.dispose()`` closes the pooled
+    # connections but keeps the pool itself, unlike ``engine.dispose()`` which replaces it: a
+    # new pool runs the engine's first-connect work again (dialect initialisation, on SQLite
+    # ``PRAGMA journal_mode=WAL``: 3-5 ms) in every Worker, for facts the forkserver already
+    # established on this database.
+    backend.engine.pool.dispose()
+
+
+def _warm_writes(backend: Any) -> None:
     with contextlib.suppress(Exception), backend.engine.connect() as conn:
         txn = conn.begin()
         try:
@@ -64,12 +87,6 @@ def warm(url: str) -> None:
                 intents.mark_clean(conn, _PROBE, _PROBE, 1, 1)
         finally:
             txn.rollback()
-    # No connection survives into a forked Worker. ``pool.dispose()`` closes the pooled
-    # connections but keeps the pool itself, unlike ``engine.dispose()`` which replaces it: a
-    # new pool runs the engine's first-connect work again (dialect initialisation, on SQLite
-    # ``PRAGMA journal_mode=WAL``: 3-5 ms) in every Worker, for facts the forkserver already
-    # established on this database.
-    backend.engine.pool.dispose()
 
 
 async def _nothing() -> None:
