@@ -62,6 +62,10 @@ def main(argv: list[str]) -> int:
         PREFIX + "HTTP_PORT": "0",
         PREFIX + "LOG_FORMAT": "json",
         PREFIX + "LOG_LEVEL": "INFO",
+        # The tests stop the host with its processors still running (hung on purpose): no
+        # drain to wait out at the end (the default waits 30 s for them).
+        PREFIX + "SHUTDOWN_DRAIN_SECONDS": "0",
+        PREFIX + "SHUTDOWN_GRACE_SECONDS": "2",
     }
     for item in argv[1:]:
         key, _, value = item.partition("=")

@@ -125,6 +125,10 @@ def _accepted(conn: Any) -> list[Any]:
     )
 
 
+#: Seconds the replicas together get to stop at teardown before they are killed.
+TEARDOWN_SECONDS = 5.0
+
+
 class Cluster:
     def __init__(
         self,
@@ -383,8 +387,11 @@ class Cluster:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(r.pid, signal.SIGCONT)
                     r.proc.send_signal(signal.SIGTERM)
+        # The tests are over: what a replica does on SIGTERM is tested where it matters
+        # (graceful drain, handover); here it gets a few seconds, then SIGKILL.
+        deadline = time.monotonic() + TEARDOWN_SECONDS
         for r in self.replicas:
-            self.stop(r)
+            self.stop(r, timeout=max(0.1, deadline - time.monotonic()))
         # Workers and forkservers of killed replicas carry the tag: kill exactly those.
         for _ in range(3):
             left = tagged(self.tag)
