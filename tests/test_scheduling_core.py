@@ -813,3 +813,20 @@ def test_only_a_pass_that_may_meet_keys_it_does_not_hold_reads_scopes_in_backoff
     s.on_request_page("a", [], exhausted=True)
     assert not s.retry_now("a", "free", T0)  # not held: looked for by a full pass
     assert s.decide(T0) == FetchRequests("a", 0, 4, skip_backoff=False)
+
+
+def test_a_parked_key_is_not_counted_as_waiting_to_retry() -> None:
+    """A parked Scope waits for the operator: the snapshot neither counts it as waiting to
+    retry nor shows a next attempt for it (the console and ``apsup status`` show it parked)."""
+    s = make(spec(max_workers=2), backoff=Backoff(jitter=0))
+    finish_request_pass(s, "a", rows("f", "g"))
+    dispatch(s)
+    dispatch(s)
+    s.on_worker_exit("a", "f", Outcome.FAILURE, False, T0)
+    s.on_worker_exit("a", "g", Outcome.FAILURE, False, T0 + timedelta(seconds=5))
+    s.set_parked("a", ["f"])
+    snap = s.snapshot(T0)["a"]
+    assert (snap.retry_wait, snap.next_retry_at) == (1, T0 + timedelta(seconds=35))
+    s.set_parked("a", ["f", "g"])
+    snap = s.snapshot(T0)["a"]
+    assert (snap.retry_wait, snap.next_retry_at) == (0, None)

@@ -922,6 +922,8 @@ class Scheduler:
             reference = now if now is not None else f.checkpoint
             due_at = None if reference is None else f.next_due(reference)
             deferred = sum(1 for due, _, _ in f.waiting if now is not None and due <= now)
+            # A parked key waits for the operator, not for a retry: not counted, no next attempt.
+            waiting = [w for w in f.waiting if w[2] not in f.parked] if f.parked else f.waiting
             result[f.name] = FamilySnapshot(
                 family=f.name,
                 policy=f.spec.policy.describe(),
@@ -930,9 +932,11 @@ class Scheduler:
                 running=f.running,
                 ready=len(f.ready),
                 ready_limit=f.limit,
-                retry_wait=len(f.waiting),
+                retry_wait=len(waiting),
                 deferred=deferred,
-                next_retry_at=f.waiting[0][0] if f.waiting else None,
+                next_retry_at=(f.waiting[0][0] if waiting is f.waiting else min(waiting)[0])
+                if waiting
+                else None,
                 checkpoint=f.checkpoint,
                 due_at=due_at,
                 scan_active=f.scan is not None,
