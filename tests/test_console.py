@@ -63,6 +63,8 @@ def host(db_url: str, tmp_path: Path) -> Iterator[str]:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(PREFIX)}
     env.update({PREFIX + "HTTP_PORT": str(port), "PYTHONPATH": str(REPO)})
+    # The sleeping Worker is not waited for at the end (the default drain waits 30 s).
+    env.update({PREFIX + "SHUTDOWN_DRAIN_SECONDS": "0", PREFIX + "SHUTDOWN_GRACE_SECONDS": "1"})
     proc = subprocess.Popen(
         [sys.executable, "-m", "apsup.cli", "run", "--app", "tests.console_app", "--db", db_url],
         env=env,
@@ -91,41 +93,53 @@ def host(db_url: str, tmp_path: Path) -> Iterator[str]:
 
 
 def test_the_page_is_complete_without_javascript_and_escapes_everything() -> None:
-    snap = {
-        "role": "all",
-        "mode": "global",
-        "heartbeat_age": 0.1,
-        "supervisors": [
+    view = {
+        "database": "mysql://db/app",
+        "database_time": "2026-12-07T10:00:00Z",
+        "host": {"role": "api"},
+        "summary": {"status": "attention", "items": [{"kind": "failing", "text": HOSTILE}]},
+        "replicas": [
             {
-                "key": "global",
-                "leader": True,
-                "holder": "h",
-                "generation": 3,
-                "families": {
-                    "f<b>": {
-                        "status": "ok",
-                        "reason": None,
-                        "budget": 2,
-                        "running": 1,
-                        "ready": 0,
-                        "retry_wait": 1,
-                        "unacknowledged": 2,
-                        "policy": "disabled",
-                        "running_scopes": [{"scope": HOSTILE, "age": 1.5}],
-                        "failing_count": 1,
-                        "failing": [{"scope": HOSTILE, "error": "<b>x</b>", "parked": False}],
-                        "history": [[100, 3, 1]],
-                    }
-                },
+                "replica": HOSTILE,
+                "state": "gone",
+                "vanished_at": "2026-12-07T09:59:00Z",
+                "host": "h<b>",
+                "role": "background",
+                "mode": "dedicated",
+                "leads": ["artifact:f<b>"],
+                "processes": [{}],
+                "age": 60.0,
             }
         ],
+        "events": [
+            {"at": "t", "key": "global", "from": HOSTILE, "to": "r2", "term": 4, "why": "takeover"}
+        ],
+        "families": {
+            "f<b>": {
+                "status": "ok",
+                "reason": None,
+                "budget": 2,
+                "running": 1,
+                "ready": 0,
+                "retry_wait": 1,
+                "unacknowledged": 2,
+                "policy": "disabled",
+                "leader": {"key": "global", "generation": 3, "state": "active", "replica": "r1"},
+                "running_scopes": [{"scope": HOSTILE, "age": 1.5}],
+                "failing_count": 1,
+                "failing": [{"scope": HOSTILE, "error": "<b>x</b>", "parked": False}],
+                "history": [[100, 3, 1]],
+            }
+        },
     }
-    html = console.page(snap, None, now_minute=100).decode()  # type: ignore[arg-type]
+    html = console.page(view, None, now_minute=100).decode()
     assert "<script>window" not in html and "<img" not in html and "<b>" not in html
     assert "&lt;script&gt;" in html and "f&lt;b&gt;" in html
     assert html.count("<script") == 1 and 'src="console.js"' in html  # its own file only
     assert "http" not in html.split("<body>", 1)[1]  # no absolute link: works under a prefix
     assert 'class="ok"' in html and 'class="failed"' in html  # the chart's bars
+    assert "r1 (Lease global, term 3)" in html  # the leader by replica name
+    assert "gone since 2026-12-07T09:59:00Z" in html and "takeover" in html
 
 
 def test_the_listener_serves_the_console_with_a_strict_policy(host: str) -> None:

@@ -10,21 +10,26 @@ slow or failing scrape can never stall scheduling.
 - ``/readyz``: ``evaluate_readiness`` of the snapshot; 503 only for ``down`` (a healthy standby
   answers 200 with status ``standby``).
 - ``/metrics``: Prometheus exposition, format negotiated from ``Accept`` by prometheus-client.
-- ``/status``: the raw snapshot, for ``apsup status``.
-- ``/``: the web console (``apsup.observability.console``), with ``console.js`` and
-  ``console.css``; every response carries ``Content-Security-Policy: default-src 'self'``.
+- ``/status``: this process's own snapshot (what it leads, from memory).
+- ``/cluster``: the cluster view (``apsup.observability.cluster``): durable state plus every
+  leader's ``/status``, the same from any replica; ``apsup status`` and the console show it.
+- ``/``: the web console (``apsup.observability.console``) of the cluster view, with
+  ``console-main`` (its refreshed content), ``console.js`` and ``console.css``; every response
+  carries ``Content-Security-Policy: default-src 'self'``.
 """
 
 from __future__ import annotations
 
+import html
 import logging
 import socket
 import threading
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from prometheus_client import CollectorRegistry
@@ -42,6 +47,15 @@ from apsup.observability.status import (
 _log = logging.getLogger(__name__)
 
 JSON = "application/json"
+
+
+class ClusterSource(Protocol):
+    """The cluster view a listener serves (``apsup.observability.cluster.ClusterProvider``)."""
+
+    def __call__(self) -> dict[str, Any]: ...
+    def recent(self) -> dict[str, Any] | None: ...
+    def search(self, family: str, text: str) -> tuple[dict[str, Any], list[str] | None]: ...
+    def scope(self, family: str, scope_id: str) -> tuple[dict[str, Any], dict[str, Any] | None]: ...
 
 
 class Heartbeat:
@@ -79,10 +93,15 @@ class _Handler(BaseHTTPRequestHandler):
     server: _Server
     timeout = 10  # a stuck client must not hold a handler thread forever
 
+    def _target(self) -> tuple[str, dict[str, str]]:
+        path, _, query = self.path.partition("?")
+        args = {k: v[0] for k, v in urllib.parse.parse_qs(query, max_num_fields=8).items()}
+        return path.rstrip("/") or "/", args
+
     def do_GET(self) -> None:
-        path = self.path.split("?", 1)[0].rstrip("/") or "/"
         try:
-            code, ctype, body = self.server.app.respond(path, self.headers.get("Accept", ""))
+            path, args = self._target()
+            code, ctype, body = self.server.app.respond(path, self.headers.get("Accept", ""), args)
         except Exception as exc:  # never let a handler bug take the server down
             code, ctype = 500, JSON
             body = orjson.dumps({"error": redact(f"{type(exc).__name__}: {exc}")[:200]})
@@ -101,9 +120,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_HEAD(self) -> None:
         """Probes and load balancers that use HEAD get GET's status and headers, no body."""
-        path = self.path.split("?", 1)[0].rstrip("/") or "/"
         try:
-            code, ctype, body = self.server.app.respond(path, self.headers.get("Accept", ""))
+            path, args = self._target()
+            code, ctype, body = self.server.app.respond(path, self.headers.get("Accept", ""), args)
         except Exception:
             code, ctype, body = 500, JSON, b""
         self.send_response(code)
@@ -121,6 +140,7 @@ class HealthServer:
         *,
         metrics: CollectorRegistry | Any = None,
         status: StatusProvider | None = None,
+        cluster: ClusterSource | None = None,
         heartbeat: Heartbeat | None = None,
         liveness_timeout: float = 30.0,
         host: str = "127.0.0.1",
@@ -131,6 +151,7 @@ class HealthServer:
         self.registry: CollectorRegistry | None = getattr(metrics, "registry", metrics)
         self._refresh: Callable[[], None] | None = getattr(metrics, "refresh", None)
         self.status = status
+        self.cluster = cluster
         self.heartbeat = heartbeat
         self.liveness_timeout = liveness_timeout
         self._bind = (host, port)
@@ -195,6 +216,26 @@ class HealthServer:
             snap = {**snap, "heartbeat_age": self.heartbeat.age()}
         return snap, None
 
+    def _cluster(self) -> tuple[dict[str, Any] | None, str | None]:
+        if self.cluster is None:
+            return None, "this listener has no database to read the cluster view from"
+        try:
+            return self.cluster(), None
+        except Exception as exc:
+            return None, redact(f"cluster view failed: {type(exc).__name__}: {exc}")[:200]
+
+    def _cluster_degraded(self) -> str | None:
+        """Why the last cluster view (if recent) says degraded, else None."""
+        view = self.cluster.recent() if self.cluster is not None else None
+        summary = (view or {}).get("summary") or {}
+        if summary.get("status") != "degraded":
+            return None
+        return "; ".join(
+            i["text"]
+            for i in summary.get("items", [])
+            if i["kind"] in ("no-leader", "replica-gone")
+        )[:300]
+
     def _liveness(self) -> tuple[int, bytes]:
         if self.heartbeat is not None:
             age: float | None = self.heartbeat.age()
@@ -209,11 +250,23 @@ class HealthServer:
         body = {"status": "ok" if alive else "down", "heartbeat_age": age}
         return (200 if alive else 503), orjson.dumps(body)
 
-    def respond(self, path: str, accept: str) -> tuple[int, str, bytes]:
-        """(HTTP code, content type, body) for a GET of ``path``."""
-        if path == "/" and self.status is not None:
-            snap, error = self._snapshot()
-            return 200, "text/html; charset=utf-8", console.page(snap, error, _minute())
+    def respond(
+        self, path: str, accept: str, args: dict[str, str] | None = None
+    ) -> tuple[int, str, bytes]:
+        """(HTTP code, content type, body) for a GET of ``path`` with query ``args``."""
+        args = args or {}
+        if path in ("/scope", "/scope-main", "/search", "/search-main"):
+            return self._scope_pages(path, args)
+        if path in ("/", "/console-main") and self.cluster is not None:
+            view, error = self._cluster()
+            if path == "/":
+                return 200, "text/html; charset=utf-8", console.page(view, error, _minute())
+            return 200, "text/html; charset=utf-8", console.body(view, error, _minute()).encode()
+        if path == "/cluster" and self.cluster is not None:
+            view, error = self._cluster()
+            if view is None:
+                return 503, JSON, orjson.dumps({"error": error})
+            return 200, JSON, orjson.dumps(view, default=str)
         if path.lstrip("/") in console.STATIC:
             name = path.lstrip("/")
             return 200, console.STATIC[name], console.static_file(name)
@@ -226,6 +279,12 @@ class HealthServer:
             ready = evaluate_readiness(
                 snap, heartbeat_age=age, liveness_timeout=self.liveness_timeout, error=error
             )
+            cluster = self._cluster_degraded()
+            if cluster is not None and ready["status"] in ("ok", "standby"):
+                # This process is fine; the cluster is not (200 still: restarting this
+                # process would not help). Only a view built already counts: a probe never
+                # waits for the database or another replica.
+                ready = {**ready, "status": "degraded", "reason": f"cluster: {cluster}"}
             return (503 if ready["status"] == "down" else 200), JSON, orjson.dumps(ready)
         if path == "/status" and self.status is not None:
             snap, error = self._snapshot()
@@ -238,6 +297,39 @@ class HealthServer:
             encoder, ctype = choose_encoder(accept)
             return 200, ctype, encoder(self.registry)
         return 404, JSON, orjson.dumps({"error": f"no such endpoint: {path[:64]}"})
+
+    def _scope_pages(self, path: str, args: dict[str, str]) -> tuple[int, str, bytes]:
+        """A Scope's page and the search (``scope?family=F&id=S``, ``search?family=F&q=P``),
+        and their refreshed content (``scope-main``, ``search-main``)."""
+        html_type = "text/html; charset=utf-8"
+        cluster = self.cluster
+        family = args.get("family", "")
+        key = args.get("id" if path.startswith("/scope") else "q", "")
+        if cluster is None:
+            return 404, JSON, orjson.dumps({"error": "this listener has no console"})
+        if not family or not key:
+            what = "id" if path.startswith("/scope") else "q"
+            body = f"<p class='error'>pass family=NAME and {what}=... in the URL</p>"
+            return 400, html_type, console.page(None, None, _minute(), main=body)
+        try:
+            if path.startswith("/scope"):
+                view, detail = cluster.scope(family, key)
+                main = console.scope_body(detail, family, key)
+            else:
+                view, found = cluster.search(family, key)
+                main = (
+                    f"<p class='error'>no family {html.escape(family)} in this cluster</p>"
+                    if found is None
+                    else console.search_body(view, family, key, found)
+                )
+        except Exception as exc:
+            error = redact(f"{type(exc).__name__}: {exc}")[:200]
+            main = f"<p class='error'>cluster view unavailable: {html.escape(error)}</p>"
+        if path.endswith("-main"):
+            return 200, html_type, main.encode()
+        query = urllib.parse.urlencode({"family": family, ("id" if "scope" in path else "q"): key})
+        source = f"{path.lstrip('/')}-main?{query}"
+        return 200, html_type, console.page(None, None, _minute(), main=main, source=source)
 
 
 def _minute() -> int:

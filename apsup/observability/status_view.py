@@ -9,13 +9,15 @@ Two sources, merged per family:
   Family names come from the database too (distinct binding names of ``intents`` and
   ``binding_states``) so the view needs no ``--app``; the distinct names are read with a loose
   index scan (one ``MIN(binding_name) > last`` seek per family), never by scanning the table.
-- **the running host's ``/status`` endpoint** (``--url http://127.0.0.1:PORT``, or discovered
-  from ``..._HTTP_PORT``/``..._HTTP_HOST``, or from the address a SQLite host publishes beside
-  its database): the in-memory figures only a Supervisor knows:
-  next due time, capacity used/budget, ready, retry-wait and next retry, degraded state, and
-  which Supervisor (Lease key) owns the family. The policy is the snapshot's optional
-  ``policy`` field (``disabled`` is also inferred from a ``disabled`` status). Without a
-  reachable endpoint those columns show ``-`` and the header says why.
+- **the leaders' ``/status`` endpoints**: the host at ``--url`` (or discovered from
+  ``..._HTTP_PORT``/``..._HTTP_HOST``, the address a SQLite host publishes beside its database,
+  or a live replica's membership row) and every other live member holding a Lease
+  (``apsup.observability.cluster``): the in-memory figures only a Supervisor knows: next due
+  time, capacity used/budget, ready, retry-wait and next retry, degraded state, which Supervisor
+  (Lease key) owns the family. A leader that does not answer leaves its columns ``-``.
+
+``--url`` without ``--db`` shows that replica's ``/cluster`` instead (the same document, built
+by the replica): no database credentials needed.
 
 Modes: ``--json`` prints one JSON document and exits; ``--once`` prints the table once; otherwise
 the table is redrawn every ``--interval`` seconds until Ctrl-C (database errors during a refresh
@@ -39,7 +41,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TextIO
@@ -152,6 +154,7 @@ class DbFamily:
     paused: bool = False
     failing_count: int = 0
     failing: tuple[operator_state.ScopeState, ...] = ()
+    parked_count: int = 0
 
 
 @dataclass(frozen=True)
@@ -203,6 +206,7 @@ def read_database(backend: Any, extra_bindings: Iterable[str] = ()) -> DbView:
                 paused=bool(name in controls and controls[name].paused),
                 failing_count=operator_state.failing_count(conn, name),
                 failing=tuple(operator_state.failing(conn, name, FAILING_LIMIT)),
+                parked_count=operator_state.parked_count(conn, name),
             )
             for name in sorted(names)
         }
@@ -223,20 +227,6 @@ def _lease_seconds() -> float:
     except ValueError:
         value = 15.0
     return value if value > 0 else 15.0
-
-
-def live_replicas(db: DbView) -> list[dict[str, Any]]:
-    """Live membership rows, each with the Supervisor keys whose Lease it holds now."""
-    leads: dict[str, list[str]] = {}
-    for r in db.leases:
-        if r.holder_id and r.expires_at is not None and r.expires_at > db.now:
-            leads.setdefault(r.holder_id, []).append(r.supervisor_key)
-    lease = _lease_seconds()
-    return [
-        {**m.as_dict(), "leads": sorted(leads.get(m.holder_id, []))}
-        for m in db.members
-        if m.alive(db.now, lease)
-    ]
 
 
 def member_listener(db_url: str) -> str | None:
@@ -268,7 +258,7 @@ def _failing_json(s: operator_state.ScopeState) -> dict[str, Any]:
         "scope": s.scope_id,
         "consecutive_failures": s.consecutive_failures,
         "error_type": s.last_error_type,
-        "error": s.last_error,
+        "error": None if s.last_error is None else redact(s.last_error),  # again: never shown
         "failed_at": _iso(s.last_failure_at),
         "next_attempt_at": _iso(s.next_attempt_at),
         "parked": s.parked,
@@ -456,7 +446,7 @@ def _choose_lease(
     return candidates[0] if candidates else None
 
 
-def _host_families(snap: Mapping[str, Any]) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
+def host_families(snap: Mapping[str, Any]) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
     """family -> (its Supervisor, its FamilyStatus); a leader's entry wins over a standby's.
 
     The snapshot is another process's JSON: every field is read defensively."""
@@ -474,9 +464,15 @@ def _host_families(snap: Mapping[str, Any]) -> dict[str, tuple[dict[str, Any], d
 
 
 def build_view(
-    db_url: str, db: DbView, host_url: str | None, snap: StatusSnapshot | None, host_error: str
+    db_url: str,
+    db: DbView,
+    host_url: str | None,
+    snap: StatusSnapshot | None,
+    host_error: str,
+    others: Sequence[StatusSnapshot] = (),
 ) -> dict[str, Any]:
-    """The JSON document (the text view renders exactly this)."""
+    """The JSON document (the text view renders exactly this). ``others``: more hosts'
+    snapshots (the cluster view's leaders); a leader's figures win over a standby's."""
     now = db.now
     host: dict[str, Any] = {"url": display_url(host_url) if host_url else None}
     if snap is None:
@@ -494,13 +490,21 @@ def build_view(
             readiness=ready["status"],
             readiness_reason=ready["reason"],
         )
-        in_memory = _host_families(snap)
+        in_memory = host_families(snap)
+    for other in others:
+        for name, (o_sup, o_mem) in host_families(other).items():
+            mine = in_memory.get(name)
+            if mine is None or (o_sup.get("leader") and not mine[0].get("leader")):
+                in_memory[name] = (o_sup, o_mem)
 
     by_key = {row.supervisor_key: row for row in db.leases}
     families: dict[str, Any] = {}
     for name in sorted(set(db.families) | set(in_memory)):
         dbf = db.families.get(name)
-        sup, mem = in_memory.get(name, (None, None))
+        sup: dict[str, Any] | None = None
+        mem: dict[str, Any] | None = None
+        if name in in_memory:
+            sup, mem = in_memory[name]
         lease = _choose_lease(name, by_key, now, sup.get("key") if sup else None)
         status: str | None = None
         reason: str | None = None
@@ -510,6 +514,8 @@ def build_view(
                 status, reason = "lease-error", str(sup.get("lease_error"))
             elif not sup.get("leader") and status != "disabled":
                 status = "standby"
+        if dbf is not None and dbf.paused:  # whatever its schedule says
+            status, reason = "paused", f"paused by the operator (apsup families resume {name})"
         policy = mem.get("policy") if mem else None
         if policy is None and status == "disabled":
             policy = "disabled"
@@ -538,9 +544,12 @@ def build_view(
             },
             "paused": dbf.paused if dbf else bool(mem and mem.get("paused")),
             "failing_count": dbf.failing_count if dbf else (mem or {}).get("failing_count", 0),
+            "parked_count": dbf.parked_count if dbf else 0,
             "failing": [_failing_json(s) for s in dbf.failing]
             if dbf
             else list((mem or {}).get("failing", [])),
+            "running_scopes": list(mem.get("running_scopes") or []) if mem else [],
+            "history": list(mem.get("history") or []) if mem else [],
             "supervisor_key": sup.get("key") if sup else None,
             "host_is_leader": bool(sup.get("leader")) if sup else None,
             "leader": None if lease is None else _lease_json(lease, now),
@@ -551,7 +560,7 @@ def build_view(
         "host": host,
         "leases": [_lease_json(row, now) for row in db.leases],
         "families": families,
-        "replicas": live_replicas(db),
+        "replicas": [],  # the cluster view fills them in (``cluster.replicas``)
         "truncated": db.truncated,
     }
 
@@ -587,7 +596,7 @@ def _leader_cell(lease: dict[str, Any] | None) -> str:
         return "-"
     text = f"{lease['key']}#{lease['generation']}"
     if lease["state"] == "active":
-        return f"{text} {_holder(lease['holder'])}"
+        return f"{text} {lease.get('replica') or _holder(lease['holder'])}"
     return f"{text} ({lease['state']})"
 
 
@@ -696,9 +705,25 @@ def render_text(view: dict[str, Any], error: str | None = None) -> str:
         lines.append("leases: none (no Supervisor has started on this database)")
     for r in view.get("replicas", []):
         leads = ", ".join(r["leads"]) or "standby"
+        procs = r["processes"]
+        where = procs[0]["http"] if len(procs) == 1 else f"{len(procs)} processes"
+        gone = f" since {r['vanished_at']}" if r.get("vanished_at") else ""
         lines.append(
-            f"replica {r['replica_id'][:8]} {r['host']} pid {r['pid']} {r['role']}/{r['mode']}  "
-            f"{r['http'] or '-'}  leads: {leads}  ·  seen {_ago(_parse(r['last_seen']), now)}"
+            f"replica {r['replica']} {r['state']}{gone}  {r['host']} {r['role']}/{r['mode']}  "
+            f"{where or '-'}  leads: {leads}  ·  seen {_ago(_parse(r['last_seen']), now)}"
+        )
+    for e in view.get("events", [])[:5]:
+        lines.append(
+            f"leadership {e['at']}: {e['key']} {e['from'] or '-'} -> {e['to']} "
+            f"(term {e['term']}, {e['why']})"
+        )
+    summary = view.get("summary")
+    if summary is not None:
+        items = summary["items"]
+        lines.append(
+            f"cluster: {summary['status']}"
+            + (": " + "; ".join(i["text"] for i in items[:8]) if items else "")
+            + (f" (+{len(items) - 8} more)" if len(items) > 8 else "")
         )
     if error:
         lines.append(f"refresh failed: {error}")
@@ -711,7 +736,7 @@ def render_text(view: dict[str, Any], error: str | None = None) -> str:
         notes = [
             f"  {name}: {fam['status']}: {fam['reason']}"
             for name, fam in families.items()
-            if fam["reason"] and fam["status"] not in (None, "ok", "disabled")
+            if fam["reason"] and fam["status"] not in (None, "ok", "disabled", "paused")
         ]
         if notes:
             lines.append("")
@@ -729,10 +754,65 @@ def render_text(view: dict[str, Any], error: str | None = None) -> str:
 
 
 def _collect(backend: Any, db_url: str, host_url: str | None) -> dict[str, Any]:
+    """The cluster view from the database: ``host_url``'s snapshot (if any) plus every other
+    leader's, found through membership (a dedicated replica's families live in several
+    processes, each its own leader)."""
+    from apsup.observability.cluster import collect
+
     snap, host_error = (None, "") if host_url is None else fetch_host_status(host_url)
-    extra = list(_host_families(snap)) if snap is not None else []
-    db = read_database(backend, extra)
-    return build_view(db_url, db, host_url, snap, host_error)
+    shown = display_url(host_url) if host_url else None
+
+    def own(m: membership.Member) -> bool:  # asked already, as host_url
+        return (
+            snap is not None
+            and m.http_address is not None
+            and (display_url(m.http_address) == shown)
+        )
+
+    return collect(
+        backend,
+        db_url,
+        lease_seconds=_lease_seconds(),
+        local=snap,
+        local_url=host_url,
+        local_error=host_error,
+        own=own,
+    )
+
+
+def fetch_cluster(url: str, timeout: float = HOST_TIMEOUT * 3) -> dict[str, Any]:
+    """A replica's cluster view (``/cluster``), for ``apsup status --url`` without ``--db``:
+    the replica reads the database, so the operator needs no credentials for it."""
+    parts = urllib.parse.urlsplit(url)
+    endpoint = urllib.parse.urlunsplit(
+        (parts.scheme, parts.netloc, parts.path.rstrip("/") + "/cluster", "", "")
+    )
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(endpoint, timeout=timeout) as resp:
+            doc = orjson.loads(resp.read(8 * 1024 * 1024))
+    except urllib.error.HTTPError as exc:
+        detail = ""
+        with contextlib.suppress(Exception):
+            detail = str(orjson.loads(exc.read(64 * 1024)).get("error") or "")
+        raise StatusUnavailable(
+            f"{display_url(url)} answered HTTP {exc.code} for /cluster"
+            + (f": {redact(detail)[:200]}" if detail else "")
+            + " (an apsup listener of this version serves it; or pass --db URL)",
+            EXIT_UNREADABLE,
+        ) from None
+    except (OSError, orjson.JSONDecodeError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise StatusUnavailable(
+            f"cannot read {display_url(url)}/cluster: {type(reason).__name__}: "
+            f"{exception_message(reason, 120)} (is the replica running? or pass --db URL)",
+            EXIT_UNREADABLE,
+        ) from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("families"), dict):
+        raise StatusUnavailable(
+            f"{display_url(url)}/cluster is not an apsup cluster view", EXIT_UNREADABLE
+        )
+    return doc
 
 
 def _fail(message: str, code: int, err: TextIO) -> int:
@@ -750,6 +830,8 @@ def main(
     """``apsup status``; ``args`` has ``db``, ``url``, ``once``, ``json``, ``interval``."""
     out = out or sys.stdout
     err = err or sys.stderr
+    if args.url and not args.db:  # the replica reads the database for us
+        return _remote(args, out, err, sleep)
     if args.db:
         db_url = str(args.db)
     else:
@@ -830,6 +912,53 @@ def _run(
     except KeyboardInterrupt:
         if tty:
             out.write("\n")
+        return EXIT_OK
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _remote(
+    args: argparse.Namespace, out: TextIO, err: TextIO, sleep: Callable[[float], None]
+) -> int:
+    """``apsup status --url`` alone: render the replica's ``/cluster``."""
+    scheme = urllib.parse.urlsplit(args.url).scheme
+    if scheme not in ("http", "https"):
+        return _fail(
+            f"--url must be a replica's HTTP endpoint, e.g. http://127.0.0.1:8080 "
+            f"(got {display_url(args.url)})",
+            EXIT_MISSING,
+            err,
+        )
+    interval = float(args.interval)
+    if not (args.once or args.json or interval > 0):
+        return _fail(f"--interval must be > 0 seconds, got {interval:g}", EXIT_MISSING, err)
+    if args.json or args.once:
+        try:
+            view = fetch_cluster(args.url)
+        except StatusUnavailable as exc:
+            return _fail(str(exc), exc.code, err)
+        if args.json:
+            out.write(orjson.dumps(view, option=orjson.OPT_INDENT_2).decode() + "\n")
+        else:
+            out.write(render_text(view))
+        out.flush()
+        return EXIT_OK
+    previous = _quit_on_ctrl_c()
+    last: dict[str, Any] | None = None
+    try:
+        while True:
+            error = None
+            try:
+                last = fetch_cluster(args.url)
+            except StatusUnavailable as exc:
+                error = str(exc)
+            text = render_text(last, error) if last is not None else f"refresh failed: {error}\n"
+            footer = f"\nrefreshing every {interval:g}s  ·  Ctrl-C to quit\n"
+            out.write((_CLEAR + text + footer) if out.isatty() else (text + footer + "\n"))
+            out.flush()
+            sleep(interval)
+    except KeyboardInterrupt:
         return EXIT_OK
     finally:
         if previous is not None:

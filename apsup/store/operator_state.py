@@ -252,6 +252,19 @@ def failing_count(conn: Connection, binding: str) -> int:
     )
 
 
+def parked_count(conn: Connection, binding: str) -> int:
+    """Parked Scopes of ``binding`` (rows of Scopes with failure or operator state only)."""
+    from sqlalchemy import func
+
+    return int(
+        conn.execute(
+            select(func.count()).where(
+                scope_states.c.binding_name == binding, scope_states.c.parked.is_(True)
+            )
+        ).scalar_one()
+    )
+
+
 def scope_state(conn: Connection, binding: str, scope_id: str) -> ScopeState | None:
     row = conn.execute(
         select(*_COLUMNS).where(

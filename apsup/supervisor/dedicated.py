@@ -254,11 +254,25 @@ class DedicatedLauncher:
         names = sorted(self.settings.families)
         self.children = [_Child(n, i, self._tmp / f"{i}.port") for i, n in enumerate(names)]
         heartbeat = Heartbeat()
+        cluster_backend = None
         try:
             if self.settings.http_port is not None:
+                from apsup.observability.cluster import ClusterProvider, own_processes
+                from apsup.store import open_backend
+
+                # The cluster view's own pool (read on the listener's threads); this replica's
+                # family processes are in ``_status`` already.
+                cluster_backend = open_backend(self.settings.database_url, control=True)
                 self._health = HealthServer(
                     metrics=self.metrics,
                     status=self._status,
+                    cluster=ClusterProvider(
+                        cluster_backend,
+                        self.settings.database_url,
+                        lease_seconds=self.settings.lease_seconds,
+                        local=self._status,
+                        own=own_processes(replica=self.replica_id),
+                    ),
                     heartbeat=heartbeat,
                     liveness_timeout=self.liveness_timeout,
                     host=self.settings.http_host,
@@ -288,6 +302,8 @@ class DedicatedLauncher:
             self._stop_children()
             if self._health is not None:
                 self._health.stop()
+            if cluster_backend is not None:
+                cluster_backend.dispose()
             shutil.rmtree(self._tmp, ignore_errors=True)
             log.info("dedicated launcher stopped")
         if self.fatal is not None:

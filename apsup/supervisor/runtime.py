@@ -27,6 +27,7 @@ host; the HTTP server only reads a snapshot the loop publishes after every cycle
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -42,6 +43,7 @@ from sqlalchemy.exc import DBAPIError
 
 from apsup.errors import ConfigError, StartupInterrupted
 from apsup.observability import tracing
+from apsup.observability.cluster import ClusterProvider, Own, own_processes
 from apsup.observability.console import CHART_MINUTES
 from apsup.observability.health import HealthServer, Heartbeat
 from apsup.observability.logging import (
@@ -455,6 +457,7 @@ class Runtime:
         self._host: Host | None = None
         self._launcher: DedicatedLauncher | None = None
         self._health: HealthServer | None = None
+        self._cluster_backend: SqlBackend | None = None
         #: Set once the HTTP server (if any) is bound and the loop is running.
         self.started = threading.Event()
 
@@ -524,14 +527,30 @@ class Runtime:
 
     # -- roles ------------------------------------------------------------------------------
     def _start_http(
-        self, status: Callable[[], StatusSnapshot], metrics: Any, heartbeat: Heartbeat | None
+        self,
+        status: Callable[[], StatusSnapshot],
+        metrics: Any,
+        heartbeat: Heartbeat | None,
+        own: Own = None,
     ) -> None:
         port = self.settings.http_port
         if port is None:
             return
+        s = self.settings
+        # Its own pool: the cluster view is read on the listener's threads, never on the loop's
+        # connections (whose calls are bounded by the loop's renew deadlines).
+        self._cluster_backend = open_backend(s.database_url, control=True)
+        cluster = ClusterProvider(
+            self._cluster_backend,
+            s.database_url,
+            lease_seconds=s.lease_seconds,
+            local=status,
+            own=own,
+        )
         self._health = HealthServer(
             metrics=metrics,
             status=status,
+            cluster=cluster,
             heartbeat=heartbeat,
             liveness_timeout=self.liveness_timeout,
             host=self.settings.http_host,
@@ -543,6 +562,9 @@ class Runtime:
     def _stop_http(self) -> None:
         if self._health is not None:
             self._health.stop()
+        if self._cluster_backend is not None:
+            self._cluster_backend.dispose()
+            self._cluster_backend = None
 
     def _run_api(self) -> None:
         """Serve health and metrics; claim nothing, dispatch nothing, start no Workers."""
@@ -638,7 +660,9 @@ class Runtime:
         if self._stopping.is_set():
             host.stop()
         try:
-            self._start_http(observer.status, metrics, heartbeat)
+            self._start_http(
+                observer.status, metrics, heartbeat, own_processes(holder=host.holder_id)
+            )
             if bundle.control is not None and self.http_port is not None:
                 bundle.control.publish_listener(self.settings.http_host, self.http_port)
             host.member = _member(host, s, self.http_port)
@@ -731,8 +755,17 @@ def _running_scopes(sup: Any, family: str, limit: int = 20) -> list[dict[str, An
         (inv for inv in list(sup.running.values()) if inv.family.name == family),
         key=lambda inv: inv.started,
     )
+    pids: dict[str, int] = {}
+    with contextlib.suppress(Exception):  # the pool is the loop's; a racing read shows no pid
+        pids = {h.worker_id: h.pid for h in sup.pool.running() if h.pid}
     return [
-        {"scope": inv.scope_id, "age": round(now - inv.started, 3), "worker_id": inv.worker_id}
+        {
+            "scope": inv.scope_id,
+            "age": round(now - inv.started, 3),
+            "worker_id": inv.worker_id,
+            "pid": pids.get(inv.worker_id),
+            "generation": inv.generation,
+        }
         for inv in runs[:limit]
     ]
 

@@ -21,7 +21,8 @@ invocation kills itself with SIGKILL at one of ``before_commit`` (after computin
 ``in_txn`` (inside the business transaction, before COMMIT) or ``after_commit`` (between the
 business commit and the acknowledgment). ``REPLICA_TEST_WORK`` = ``min,max`` seconds of compute.
 
-``replica-side`` is a second family (dedicated-mode tests: two Leases).
+``replica-side`` is a second family (dedicated-mode tests: two Leases). A Scope id starting
+with ``fail.`` fails every time, with a secret in its message (the cluster view's tests).
 """
 
 from __future__ import annotations
@@ -193,6 +194,8 @@ def _snapshot(conn: Connection, scope_id: str) -> tuple[int, int]:
 
 
 def process(scope_id: str, ctx: ExecutionContext) -> None:
+    if scope_id.startswith("fail."):
+        raise RuntimeError(f"{scope_id} cannot be processed: password hunter2 rejected")
     attempt = _event(ctx, "attempt")
     plan = _kill_plan(attempt)
     g = ctx.claimed_request_generation

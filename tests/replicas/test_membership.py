@@ -74,15 +74,26 @@ def test_replicas_are_listed_with_what_they_lead_and_found_by_status(cluster: Cl
     # `apsup status --db` finds a listener by itself (no --url, no HTTP_PORT) and lists both.
     view = _status_cli(c.url)
     assert view["host"]["available"] is True, view["host"]
-    assert {r["pid"] for r in view["replicas"]} == {a.pid, b.pid}
+    assert _pids(view) == {a.pid: "live", b.pid: "live"}
+    # The leader by replica name, not by holder id.
+    (row,) = [r for r in view["replicas"] if r["leads"]]
+    assert view["families"]["replica-work"]["leader"]["replica"] == row["replica"]
     # A clean stop removes its row at once; a kill -9 leaves it to go stale after the Lease.
     assert c.stop(other) == 0
     view = _status_cli(c.url)
-    assert {r["pid"] for r in view["replicas"]} == {leader.pid}
+    assert _pids(view) == {leader.pid: "live"}
     c.kill9(leader)
-    # A row counts as gone once it is older than the margin (two Leases), not at once.
+    # A row counts as gone once it is older than the margin (two Leases), not at once; it
+    # stays listed as gone, with when it vanished, and the summary says the cluster is degraded.
     time.sleep(gone_after(LEASE) + 1.0)
-    assert _status_cli(c.url)["replicas"] == []
+    view = _status_cli(c.url)
+    assert _pids(view) == {leader.pid: "gone"}
+    assert view["replicas"][0]["vanished_at"]
+    assert view["summary"]["status"] == "degraded", view["summary"]
+
+
+def _pids(view: dict) -> dict[int, str]:
+    return {p["pid"]: r["state"] for r in view["replicas"] for p in r["processes"]}
 
 
 def test_dedicated_processes_share_their_replica_id(db_url: str, tmp_path: Path) -> None:
@@ -94,14 +105,12 @@ def test_dedicated_processes_share_their_replica_id(db_url: str, tmp_path: Path)
 
         def listed() -> list[dict] | None:
             reps = _status_cli(c.url)["replicas"]
-            return reps if len(reps) == 2 and all(x["leads"] for x in reps) else None
+            procs = [p for x in reps for p in x["processes"]]
+            return reps if len(procs) == 2 and all(p["leads"] for p in procs) else None
 
         reps = wait_for(listed, 30, "both family processes listed, each leading its family")
-        assert len({x["replica_id"] for x in reps}) == 1
-        assert sorted(k for x in reps for k in x["leads"]) == [
-            "artifact:replica-side",
-            "artifact:replica-work",
-        ]
+        assert len(reps) == 1  # one row per replica, its family processes inside
+        assert reps[0]["leads"] == ["artifact:replica-side", "artifact:replica-work"]
         # The launcher's listener serves the console of all its families (fan-in).
         with urllib.request.urlopen(f"http://127.0.0.1:{r.port}/", timeout=10) as resp:
             page = resp.read().decode()
