@@ -213,3 +213,21 @@ def test_a_row_is_judged_gone_only_with_a_margin() -> None:
     assert late_once.alive(now, LEASE)
     assert not gone.alive(now, LEASE)
     assert membership.refresh_interval(LEASE) <= LEASE / 3
+
+
+def test_rows_of_processes_gone_for_long_are_pruned(backend: object) -> None:
+    """A killed process's row is listed as gone for ``GONE_KEPT_SECONDS``, then pruned: dead
+    rows must not pile up into the ``MAX_MEMBERS`` rows every view reads."""
+    from typing import Any
+
+    b: Any = backend
+    now = b.now()
+    kept = membership.GONE_KEPT_SECONDS
+    with b.transaction() as conn:
+        membership.refresh(conn, _member("old", "r-old", now - timedelta(seconds=kept + 60)))
+        membership.refresh(conn, _member("gone", "r-gone", now - timedelta(seconds=kept / 2)))
+        membership.refresh(conn, _member("live", "r-live", now))
+    with b.transaction() as conn:
+        assert membership.prune(conn, now - timedelta(seconds=kept)) == 1
+    with b.read() as conn:
+        assert sorted(m.holder_id for m in membership.members(conn)) == ["gone", "live"]

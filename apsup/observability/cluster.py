@@ -39,8 +39,8 @@ from apsup.store.leases import INVALIDATED, LeaseRow
 
 #: Seconds a leader's ``/status`` may take before the view goes on without its live figures.
 FETCH_TIMEOUT = 1.5
-#: Seconds a vanished replica stays listed (as gone, with when it vanished).
-GONE_KEPT_SECONDS = 3600.0
+#: Seconds a vanished replica stays listed (as gone, with when it vanished; then pruned).
+GONE_KEPT_SECONDS = membership.GONE_KEPT_SECONDS
 #: Leadership changes kept in memory (the newest first on the page).
 EVENTS_KEPT = 50
 

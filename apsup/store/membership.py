@@ -32,6 +32,10 @@ MAX_MEMBERS = 200
 REFRESHES_PER_LEASE = 4
 #: A row is judged gone after this many Leases without a refresh (the margin).
 GONE_AFTER_LEASES = 2.0
+#: Seconds a gone row is kept (the cluster view lists it as gone, with when it vanished).
+GONE_KEPT_SECONDS = 3600.0
+#: Refreshes between two prunes of rows gone for longer than ``GONE_KEPT_SECONDS``.
+PRUNE_EVERY = 40
 
 
 def refresh_interval(lease_seconds: float) -> float:
@@ -112,6 +116,12 @@ def remove_replica(conn: Connection, replica_id: str) -> None:
     """Remove every row of ``replica_id``: a dedicated replica leaving as a whole (its
     per-family processes stop together), so the others stop counting on it at once."""
     conn.execute(delete(replicas).where(replicas.c.replica_id == replica_id))
+
+
+def prune(conn: Connection, before: datetime) -> int:
+    """Delete the rows last seen before ``before`` (processes gone long ago: killed, or cut off
+    and never back), so they neither fill the ``MAX_MEMBERS`` rows read nor stay listed."""
+    return int(conn.execute(delete(replicas).where(replicas.c.last_seen < before)).rowcount or 0)
 
 
 def members(conn: Connection) -> list[Member]:

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from types import FrameType
 
 from apsup.observability.logging import error_fields, exception_message
@@ -170,6 +170,7 @@ class Host:
         #: set by the runtime before ``start``; refreshed with the lease cadence.
         self.member: membership.Member | None = None
         self._next_member = 0.0
+        self._member_refreshes = 0
         #: Dedicated mode with several replicas: which replica should lead each key, and the
         #: graceful handover of the keys this host should not hold (``placement``); set by the
         #: runtime. None: claim whenever a Lease is free (global mode, SQLite).
@@ -496,6 +497,20 @@ class Host:
                 membership.refresh(conn, member, now=self.backend.db_time_sql())
         except Exception as exc:
             log.warning("membership not refreshed", extra=error_fields(exc))
+            return
+        self._member_refreshes += 1
+        if self._member_refreshes % membership.PRUNE_EVERY == 0:
+            self._prune_membership()
+
+    def _prune_membership(self) -> None:
+        """Delete rows of processes gone for longer than ``membership.GONE_KEPT_SECONDS``
+        (every replica does it now and then; the delete is idempotent)."""
+        try:
+            with self._calls_until(self.keeper.earliest()):
+                before = self.backend.now() - timedelta(seconds=membership.GONE_KEPT_SECONDS)
+                self.backend.run(lambda conn: membership.prune(conn, before))
+        except Exception as exc:
+            log.warning("old membership rows not pruned", extra=error_fields(exc))
 
     # -- loop ---------------------------------------------------------------------------------
     def _startup(self, now: float) -> None:
