@@ -95,6 +95,8 @@ GLOBAL_KEYS = (
     "SHUTDOWN_GRACE_SECONDS",
     "SHUTDOWN_DRAIN_SECONDS",
     "REPLICA_ID",
+    "CONSOLE_TOKEN",
+    "CONSOLE_TOKEN_FILE",
     "LOG_FORMAT",
     "LOG_LEVEL",
     "IGNORE_KEYS",
@@ -325,6 +327,9 @@ class Settings:
     #: This replica's stable name in membership (dedicated placement keeps each family on
     #: the same replica across restarts when it is stable); None: derived at startup.
     replica_id: str | None = None
+    #: The console's credential (``CONSOLE_TOKEN_FILE`` or ``CONSOLE_TOKEN``): None keeps the
+    #: console read-only and loopback-only. Never logged, never passed to Workers.
+    console_token: str | None = field(default=None, repr=False)
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -422,6 +427,11 @@ class Settings:
             "1-64 characters of letters, digits and . _ : - (starting with a letter or digit)",
         )
         src("replica_id", "REPLICA_ID")
+        console_token = _console_token(r)
+        src(
+            "console_token",
+            "CONSOLE_TOKEN_FILE" if "CONSOLE_TOKEN_FILE" in r.values else "CONSOLE_TOKEN",
+        )
         log_format = r.choice("LOG_FORMAT", LOG_FORMATS) or "auto"
         src("log_format", "LOG_FORMAT")
         log_level = r.choice("LOG_LEVEL", LOG_LEVELS) or "INFO"
@@ -451,6 +461,7 @@ class Settings:
             shutdown_grace_seconds=10.0 if grace is None else grace,
             shutdown_drain_seconds=30.0 if drain is None else drain,
             replica_id=replica_id,
+            console_token=console_token,
             log_format=log_format,
             log_level=log_level,
             families=families,
@@ -501,6 +512,7 @@ class Settings:
             "shutdown_grace_seconds": self.shutdown_grace_seconds,
             "shutdown_drain_seconds": self.shutdown_drain_seconds,
             "replica_id": self.replica_id,
+            "console_actions": "on" if self.console_token else "off",
             "log_format": self.log_format,
             "log_level": self.log_level,
             "families": {
@@ -542,6 +554,38 @@ class Settings:
             out[f"{fam.prefix}_WORKER_TIMEOUT_SECONDS"] = repr(float(fam.timeout))
             out.update(self.family_settings.get(fam.name, {}))
         return {self.prefix + k: v for k, v in out.items() if not _looks_secret(k)}
+
+
+#: The shortest console credential accepted (a guessable token would open every action).
+CONSOLE_TOKEN_MIN = 16
+
+
+def _console_token(r: _Reader) -> str | None:
+    """The console credential from ``CONSOLE_TOKEN_FILE`` (a file holding it) or
+    ``CONSOLE_TOKEN``; messages never quote the value."""
+    path, inline = r.values.get("CONSOLE_TOKEN_FILE"), r.values.get("CONSOLE_TOKEN")
+    if path is not None and inline is not None:
+        r.fail("CONSOLE_TOKEN", "set CONSOLE_TOKEN_FILE or CONSOLE_TOKEN, not both")
+        return None
+    name, token = "CONSOLE_TOKEN", inline
+    if path is not None:
+        name = "CONSOLE_TOKEN_FILE"
+        try:
+            token = open(path, encoding="utf-8").read().strip()  # noqa: SIM115
+        except (OSError, UnicodeDecodeError) as exc:
+            r.fail(name, f"cannot read {path!r} ({type(exc).__name__}); name a readable file")
+            return None
+    if token is None:
+        return None
+    token = token.strip()
+    if len(token) < CONSOLE_TOKEN_MIN or any(c.isspace() for c in token):
+        r.fail(
+            name,
+            f"the console token must be at least {CONSOLE_TOKEN_MIN} characters without "
+            "spaces (for example the output of `openssl rand -hex 24`)",
+        )
+        return None
+    return token
 
 
 def _looks_secret(name: str) -> bool:

@@ -455,3 +455,21 @@ def test_errors_never_show_the_database_password() -> None:
     fails(DATABASE_URL="mysql+pymysql://u:s3cret@h:notaport/db")
     fails(HTTP_HOST=MYSQL)  # a DSN pasted into the wrong variable is still masked
     fails(DATABSE_URL=MYSQL)  # a misspelt name: the value is never echoed
+
+
+def test_the_console_credential_is_checked_and_never_quoted(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret-console-token-0123456789\n")
+    assert load(CONSOLE_TOKEN_FILE=str(token)).console_token == "s3cret-console-token-0123456789"
+    assert load().console_token is None and load().effective_report()["console_actions"] == "off"
+    s = load(CONSOLE_TOKEN="s3cret-console-token-0123456789")
+    assert "s3cret" not in repr(s) and "s3cret" not in str(s.effective_report())
+    assert s.effective_report()["console_actions"] == "on"
+    assert not any("CONSOLE_TOKEN" in k for k in s.worker_env())  # never passed to Workers
+    assert "at least 16 characters" in fails(CONSOLE_TOKEN="s3cret")
+    short = tmp_path / "short"
+    short.write_text("s3cret\n")
+    assert "CONSOLE_TOKEN_FILE" in fails(CONSOLE_TOKEN_FILE=str(short))
+    assert "cannot read" in fails(CONSOLE_TOKEN_FILE=str(tmp_path / "missing"))
+    both = fails(CONSOLE_TOKEN_FILE=str(token), CONSOLE_TOKEN="s3cret-console-token-0123456789")
+    assert "not both" in both

@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 PREFIX = "POWERCONTEXT_SERVER_RUNTIME_"
 HOSTILE = "<script>window.__pwned=1</script><img src=x onerror=window.__pwned=2>"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+TOKEN = "browser-test-console-token-0123456789"
 
 
 def _free_port() -> int:
@@ -65,6 +66,9 @@ def host(db_url: str, tmp_path: Path) -> Iterator[str]:
     env.update({PREFIX + "HTTP_PORT": str(port), "PYTHONPATH": str(REPO)})
     # The sleeping Worker is not waited for at the end (the default drain waits 30 s).
     env.update({PREFIX + "SHUTDOWN_DRAIN_SECONDS": "0", PREFIX + "SHUTDOWN_GRACE_SECONDS": "1"})
+    token = tmp_path / "console-token"
+    token.write_text(TOKEN + "\n")
+    env[PREFIX + "CONSOLE_TOKEN_FILE"] = str(token)
     proc = subprocess.Popen(
         [sys.executable, "-m", "apsup.cli", "run", "--app", "tests.console_app", "--db", db_url],
         env=env,
@@ -182,9 +186,31 @@ def test_the_console_in_a_real_browser(host: str, db_url: str) -> None:
             _request(db_url, "console-fail", "later-failure")
             main.get_by_text("console-boom for later-failure").wait_for(timeout=30_000)
             assert page.evaluate("window.__same_page") == 1
+            # Without a session the Scope's page offers no action, and a forged post is
+            # refused (403) with nothing written.
+            page.get_by_role("link", name="later-failure").first.click()
+            page.get_by_text("consecutive failures").wait_for(timeout=10_000)
+            assert page.locator('button[data-action="retry"]').count() == 0
+            status = page.evaluate(
+                """async () => (await fetch("action", {method: "POST", body: new URLSearchParams(
+                    {action: "retry", family: "console-fail", scope: "later-failure", csrf: "x"})
+                })).status"""
+            )
+            assert status == 403
+            # Log in with the credential, come back, retry from the page.
+            page.get_by_role("link", name="log in to act").click()
+            page.fill('input[name="token"]', TOKEN)
+            page.get_by_role("button", name="Log in").click()
+            page.get_by_text("log out").wait_for(timeout=10_000)
+            page.get_by_role("link", name="later-failure").first.click()
+            page.locator('button[data-action="retry"]').click()
+            page.get_by_text("retry requested; the leader attempts it").wait_for(timeout=10_000)
+            assert "hunter2" not in page.content() and TOKEN not in page.content()
             if os.environ.get("APSUP_UPDATE_SCREENSHOT"):
                 page.screenshot(path=str(REPO / "docs" / "console.png"), full_page=True)
         finally:
             browser.close()
-    assert errors == []
+    refused = "Failed to load resource: the server responded with a status of 403"
+    assert [e for e in errors if not e.startswith(refused)] == []
+    assert len(errors) <= 1  # the forged post's 403, the only one
     assert all(u.startswith(host) for u in requests), requests

@@ -8,6 +8,7 @@ generations, its failure (redacted), what it waits for, and links back; every id
 
 from __future__ import annotations
 
+import html
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -24,6 +25,10 @@ from apsup.store import operator_state
 
 HOSTILE = "alpha.<script>alert(1)</script>\"'&"
 registry = Registry()
+
+
+def _snapshot() -> Any:
+    return {"role": "all", "mode": "global", "supervisors": [], "heartbeat_age": 0.0}
 
 
 @family("scope-pages", max_workers=1, registry=registry)
@@ -47,7 +52,7 @@ def listener(backend: Any, db_url: str) -> Iterator[str]:
             next_attempt_at=now + timedelta(minutes=2),
         )
     cluster = ClusterProvider(backend, db_url, lease_seconds=15.0)
-    server = HealthServer(status=lambda: {"role": "all", "mode": "global", "supervisors": []},
+    server = HealthServer(status=_snapshot,
                           cluster=cluster)  # fmt: skip
     server.start()
     try:
@@ -105,3 +110,126 @@ def test_the_cluster_page_links_every_failing_scope(listener: str) -> None:
     assert 'href="scope?family=scope-pages&amp;id=alpha.1"' in page
     assert '<form class="search" action="search" method="get">' in page
     assert "hunter2" not in page
+
+
+TOKEN = "console-token-for-tests-0123456789"
+
+
+@pytest.fixture
+def guarded(backend: Any, db_url: str, listener: str) -> Iterator[tuple[str, HealthServer]]:
+    """A second listener over the same database with a console credential and the family."""
+    from apsup.observability.console_auth import ConsoleAuth
+
+    cluster = ClusterProvider(
+        backend, db_url, lease_seconds=15.0, families={scope_pages.name: scope_pages}
+    )
+    server = HealthServer(status=_snapshot,
+                          cluster=cluster, auth=ConsoleAuth(TOKEN))  # fmt: skip
+    server.start()
+    try:
+        yield f"http://127.0.0.1:{server.port}/", server
+    finally:
+        server.stop()
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def _post(url: str, form: dict[str, str], cookie: str = "") -> tuple[int, dict[str, str], str]:
+    data = urllib.parse.urlencode(form).encode()
+    req = urllib.request.Request(url, data=data, method="POST")
+    if cookie:
+        req.add_header("Cookie", cookie)
+    opener = urllib.request.build_opener(_NoRedirect)
+    try:
+        with opener.open(req, timeout=10) as resp:
+            return resp.status, dict(resp.headers), resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read().decode()
+
+
+def _get_with(url: str, cookie: str) -> str:
+    req = urllib.request.Request(url, headers={"Cookie": cookie})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return resp.read().decode()
+
+
+def _state(backend: Any, scope: str) -> Any:
+    with backend.read() as conn:
+        return operator_state.scope_state(conn, scope_pages.binding_name, scope)
+
+
+def test_actions_need_a_session_and_its_csrf_token(
+    guarded: tuple[str, HealthServer], backend: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+    import re
+
+    caplog.set_level(logging.INFO, logger="apsup")
+    url, _ = guarded
+    scope_url = url + "scope?" + _q(family="scope-pages", id="alpha.2")
+    # Without a session: no buttons, and a forged post changes nothing.
+    page = _get(scope_url)[1]
+    assert "log in to act" in page and 'action="action"' not in page
+    code, _, _ = _post(url + "action", {"action": "park", "family": "scope-pages",
+                                        "scope": "alpha.2", "csrf": "x"})  # fmt: skip
+    assert code == 403 and _state(backend, "alpha.2") is None
+    # A wrong token is refused; the right one opens a session (HttpOnly, SameSite=Strict).
+    assert _post(url + "login", {"token": "wrong-token-wrong-token"})[0] == 401
+    code, headers, _ = _post(url + "login", {"token": TOKEN})
+    assert code == 303
+    assert "HttpOnly" in headers["Set-Cookie"] and "SameSite=Strict" in headers["Set-Cookie"]
+    cookie = headers["Set-Cookie"].split(";", 1)[0]
+    page = _get_with(scope_url, cookie)
+    (csrf,) = set(re.findall(r'name="csrf" value="([^"]+)"', page))
+    assert 'data-action="park"' in page and 'data-action="stop"' in page
+    # The session without its CSRF token (a cross-site form) is refused.
+    form = {"action": "park", "family": "scope-pages", "scope": "alpha.2", "back": "scope?x"}
+    assert _post(url + "action", {**form, "csrf": "forged"}, cookie)[0] == 403
+    assert _state(backend, "alpha.2") is None
+    # With both: the same fenced write as `apsup scopes park`, echoed on the next page.
+    code, headers, _ = _post(url + "action", {**form, "csrf": csrf}, cookie)
+    assert code == 303 and headers["Location"] == "scope?x"
+    assert _state(backend, "alpha.2").parked
+    page = _get_with(scope_url, cookie)
+    assert "parked; it is not dispatched until unparked" in page  # the flash message
+    assert 'data-action="unpark"' in page
+    # Retry all failing: alpha.1 (failing, not parked) gets its retry asked.
+    _post(url + "action", {"action": "retry-failing", "family": "scope-pages", "csrf": csrf,
+                           "back": "https://elsewhere.example/"}, cookie)  # fmt: skip
+    assert _state(backend, "alpha.1").retry_requested
+    # An unknown Scope is refused with the CLI's message, nothing written.
+    _post(url + "action", {**form, "scope": "nope", "csrf": csrf}, cookie)
+    assert "park refused: family 'scope-pages' has no Scope 'nope'" in html.unescape(
+        _get_with(url, cookie)
+    )
+    logged = [r for r in caplog.records if r.getMessage() == "console action"]
+    assert [getattr(r, "action", None) for r in logged] == ["park", "retry-failing", "park"]
+    assert all(getattr(r, "who", "") == "console session from 127.0.0.1" for r in logged)
+    assert TOKEN not in caplog.text
+    # Log out: the cookie no longer acts.
+    assert _post(url + "logout", {"csrf": csrf}, cookie)[0] == 303
+    assert _post(url + "action", {**form, "action": "unpark", "csrf": csrf}, cookie)[0] == 403
+
+
+def test_beyond_loopback_the_console_needs_the_credential(
+    guarded: tuple[str, HealthServer], listener: str
+) -> None:
+    from apsup.observability.health import Request
+
+    _, server = guarded
+    far = Request(client="203.0.113.7")
+    code, _, body = server.respond("/", "", {}, far)
+    assert code == 200 and b"Log in to act" in body and b"alpha.1" not in body
+    assert server.respond("/cluster", "", {}, far)[0] == 401
+    bearer = Request(client="203.0.113.7", authorization=f"Bearer {TOKEN}")
+    assert server.respond("/cluster", "", {}, bearer)[0] == 200
+    assert server.respond("/healthz", "", {}, far)[0] == 200  # probes are not the console
+    # Without a credential configured: loopback only, and one line saying what to set.
+    plain = HealthServer(status=_snapshot,
+                         cluster=server.cluster)  # fmt: skip
+    code, _, body = plain.respond("/scope", "", {"family": "scope-pages", "id": "alpha.1"}, far)
+    assert code == 403 and b"CONSOLE_TOKEN_FILE" in body and b"alpha.1" not in body
+    assert plain.respond("/metrics", "", {}, far)[0] == 404  # (no registry here) not refused

@@ -54,6 +54,8 @@ def test_documented_defaults_are_the_defaults(tmp_path: Path, monkeypatch: Any) 
         elif name == "RENEW_DEADLINE_SECONDS":
             assert settings.renew_deadline_seconds == settings.lease_seconds * 2 / 3
             assert "LEASE_SECONDS x 2/3" in cell
+        elif name in ("CONSOLE_TOKEN", "CONSOLE_TOKEN_FILE"):
+            assert settings.console_token is None and cell.startswith("unset"), (name, cell)
         elif name == "IGNORE_KEYS":
             assert settings.ignored == [] and cell.startswith("unset")
         else:

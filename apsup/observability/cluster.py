@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from typing import Any
@@ -34,6 +34,7 @@ from apsup.observability.status_view import (
     host_families,
     read_database,
 )
+from apsup.registry import Family
 from apsup.store import membership
 from apsup.store.leases import INVALIDATED, LeaseRow
 
@@ -292,9 +293,11 @@ class ClusterProvider:
         local: Callable[[], StatusSnapshot] | None = None,
         own: Own = None,
         ttl: float = 1.0,
+        families: Mapping[str, Family] | None = None,
     ) -> None:
         self.backend, self.db_url, self.lease_seconds = backend, db_url, lease_seconds
         self.local, self.own, self.ttl = local, own, ttl
+        self.families = dict(families or {})  # the ones this process can act on
         self.events = Events()
         self._cached: tuple[float, dict[str, Any]] | None = None
         self._lock = threading.Lock()
@@ -314,6 +317,16 @@ class ClusterProvider:
             )
             self._cached = (time.monotonic(), view)
             return view
+
+    def act(self, action: str, family: str, scope: str) -> str:
+        """An operator action from the console (``console_actions.perform``); the next view
+        is built afresh, so the page shows its effect."""
+        from apsup.observability.console_actions import perform
+
+        message = perform(self.backend, self.db_url, self.families, action, family, scope)
+        with self._lock:
+            self._cached = None
+        return message
 
     def recent(self, within: float = 30.0) -> dict[str, Any] | None:
         """The last view if built within ``within`` seconds (never builds one: for probes)."""

@@ -55,6 +55,17 @@ def scope_href(family: str, scope_id: str) -> str:
     return "scope?" + urllib.parse.urlencode({"family": family, "id": scope_id})
 
 
+def action_form(csrf: str, action: str, family: str, scope: str, back: str, label: str) -> str:
+    """A POST form for one operator action (``console_actions``), carrying the session's CSRF
+    token; ``back``: the relative page to return to."""
+    hidden = {"csrf": csrf, "action": action, "family": family, "scope": scope, "back": back}
+    fields = "".join(f'<input type="hidden" name="{k}" value="{_e(v)}">' for k, v in hidden.items())
+    return (
+        f'<form class="action" method="post" action="action">{fields}'
+        f'<button type="submit" data-action="{_e(action)}">{_e(label)}</button></form>'
+    )
+
+
 def _cell(value: object) -> str:
     return value.html() if isinstance(value, Link) else _e(value)
 
@@ -131,7 +142,21 @@ def _failing_state(f: dict[str, Any]) -> str:
     return f"retry at {f['next_attempt_at']}" if f.get("next_attempt_at") else "-"
 
 
-def _family(name: str, fam: dict[str, Any], now_minute: int) -> str:
+def _family_actions(name: str, fam: dict[str, Any], csrf: str | None) -> str:
+    if csrf is None:
+        return ""
+    back = "./#family-" + urllib.parse.quote(name)
+    forms = [
+        action_form(csrf, "resume", name, "", back, "resume")
+        if fam.get("paused")
+        else action_form(csrf, "pause", name, "", back, "pause")
+    ]
+    if fam.get("failing_count"):
+        forms.append(action_form(csrf, "retry-failing", name, "", back, "retry all failing"))
+    return f'<div class="actions">{"".join(forms)}</div>'
+
+
+def _family(name: str, fam: dict[str, Any], now_minute: int, csrf: str | None = None) -> str:
     running = [
         [
             Link(r.get("scope"), scope_href(name, str(r.get("scope")))),
@@ -169,6 +194,7 @@ def _family(name: str, fam: dict[str, Any], now_minute: int) -> str:
         f"unacknowledged {_e(fam.get('unacknowledged'))} · dirty {_e(fam.get('dirty'))}"
         + (f" · {_e(fam.get('reason'))}" if fam.get("reason") else "")
         + "</p>"
+        + _family_actions(name, fam, csrf)
         + "<h3>Running</h3>"
         + _table(["scope", "age", "pid"], running, "nothing running" if live else "not known")
         + f"<h3>Failing ({_e(fam.get('failing_count', 0))})</h3>"
@@ -260,8 +286,28 @@ def search_body(view: dict[str, Any], family: str, text: str, found: list[str]) 
     )
 
 
-def scope_body(detail: dict[str, Any] | None, family: str, scope_id: str) -> str:
-    """One Scope's page (``scope_view.scope_detail``)."""
+def _scope_actions(detail: dict[str, Any], csrf: str | None) -> str:
+    if csrf is None or not detail["known"]:
+        return ""
+    family, scope = detail["family"], detail["scope"]
+    back = scope_href(family, scope)
+    state = detail["state"] or {}
+    forms = []
+    if state.get("consecutive_failures"):
+        forms.append(action_form(csrf, "retry", family, scope, back, "retry now"))
+    if state.get("parked"):
+        forms.append(action_form(csrf, "unpark", family, scope, back, "unpark"))
+    else:
+        forms.append(action_form(csrf, "park", family, scope, back, "park"))
+    forms.append(action_form(csrf, "stop", family, scope, back, "stop and park"))
+    return f'<div class="actions">{"".join(forms)}</div>'
+
+
+def scope_body(
+    detail: dict[str, Any] | None, family: str, scope_id: str, csrf: str | None = None
+) -> str:
+    """One Scope's page (``scope_view.scope_detail``); ``csrf``: a session's token (its
+    action buttons are shown)."""
     if detail is None:
         return f'<p class="error">no family {_e(family)} in this cluster</p>'
     gens = detail["generations"]
@@ -304,22 +350,54 @@ def scope_body(detail: dict[str, Any] | None, family: str, scope_id: str) -> str
     back = "search?" + urllib.parse.urlencode({"family": family, "q": scope_id})
     return (
         f'<section class="scope"><h2>{_e(scope_id)} <span class="badge">{_e(family)}</span></h2>'
-        f'<table class="scope-facts"><tbody>{rows}</tbody></table></section>'
+        f'<table class="scope-facts"><tbody>{rows}</tbody></table>'
+        f"{_scope_actions(detail, csrf)}</section>"
         f'<p><a href="{_e(back)}">'
         'search this family</a> · <a href="./">back to the cluster</a></p>'
     )
 
 
-def body(view: dict[str, Any] | None, error: str | None, now_minute: int) -> str:
+def body(
+    view: dict[str, Any] | None, error: str | None, now_minute: int, csrf: str | None = None
+) -> str:
     """The page's ``main`` content for the cluster ``view`` (``console-main`` serves it)."""
     if view is None:
         return f'<p class="error">cluster view unavailable: {_e(error)}</p>'
     parts = [_summary(view), search_form(view), _replicas(view), _events(view)]
     for name, fam in view.get("families", {}).items():
-        parts.append(_family(name, dict(fam), now_minute))
+        parts.append(_family(name, dict(fam), now_minute, csrf))
     if not view.get("families"):
         parts.append('<p class="empty">no families yet: nothing requested or scanned</p>')
     return "".join(parts)
+
+
+def _csrf(session: str | None) -> str | None:
+    return None if session in (None, "off", "login") else session
+
+
+def _session_bar(session: str | None) -> str:
+    if session is None or session == "off":
+        return '<span class="session">read-only (no console credential configured)</span>'
+    if session == "login":
+        return '<span class="session"><a href="login">log in to act</a></span>'
+    return (
+        '<form class="session" method="post" action="logout">'
+        f'<input type="hidden" name="csrf" value="{_e(session)}">'
+        '<button type="submit">log out</button></form>'
+    )
+
+
+def login_body(error: str | None = None) -> str:
+    """The login form: the console token, POSTed (never in a URL)."""
+    return (
+        "<h2>Log in to act</h2>"
+        + (f'<p class="error">{_e(error)}</p>' if error else "")
+        + '<form class="login" method="post" action="login">'
+        '<label>console token <input type="password" name="token" required '
+        'autocomplete="current-password"></label> <button type="submit">Log in</button></form>'
+        '<p class="facts">The token is the content of the file named by CONSOLE_TOKEN_FILE '
+        "(or CONSOLE_TOKEN) on this replica.</p>"
+    )
 
 
 def page(
@@ -329,10 +407,15 @@ def page(
     *,
     main: str | None = None,
     source: str = "console-main",
+    session: str | None = None,
+    flash: list[str] | None = None,
 ) -> bytes:
     """The whole page; ``main``: its content (the cluster's by default), ``source``: the
-    relative URL ``console.js`` refreshes it from."""
-    content = body(view, error, now_minute) if main is None else main
+    relative URL ``console.js`` refreshes it from; ``session``: "off" (no credential
+    configured), "login" (one is, this reader has no session) or a session's CSRF token;
+    ``flash``: the outcome of the last actions."""
+    content = body(view, error, now_minute, _csrf(session)) if main is None else main
+    notes = "".join(f'<p class="flash">{_e(m)}</p>' for m in flash or [])
     return (
         "<!doctype html>"
         '<html lang="en"><head><meta charset="utf-8">'
@@ -341,7 +424,9 @@ def page(
         "<title>apsup console</title>"
         '<link rel="icon" href="favicon.svg" type="image/svg+xml">'
         '<link rel="stylesheet" href="console.css"></head>'
-        f'<body><header><h1>apsup</h1><span id="updated">rendered by the host</span></header>'
+        f'<body><header><h1><a href="./">apsup</a></h1>'
+        f'<span id="updated">rendered by the host</span>{_session_bar(session)}</header>'
+        f'<div id="flash">{notes}</div>'
         f'<main id="console" data-refresh="{REFRESH_SECONDS}" data-source="{_e(source)}">'
         f"{content}</main>"
         '<script src="console.js"></script></body></html>'

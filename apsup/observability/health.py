@@ -28,6 +28,7 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
 
@@ -35,7 +36,9 @@ import orjson
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
+from apsup.errors import ApsupError
 from apsup.observability import console
+from apsup.observability.console_auth import ConsoleAuth, Session, is_loopback
 from apsup.observability.logging import redact
 from apsup.observability.status import (
     StatusProvider,
@@ -49,6 +52,25 @@ _log = logging.getLogger(__name__)
 JSON = "application/json"
 
 
+#: The console's pages (who may read them: ``console_auth``); health, readiness, metrics and
+#: ``/status`` are not among them.
+CONSOLE_PATHS = frozenset(
+    {"/", "/console-main", "/scope", "/scope-main", "/search", "/search-main", "/cluster"}
+)
+#: Largest form a POST may carry.
+MAX_FORM_BYTES = 8192
+HTML = "text/html; charset=utf-8"
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a response may depend on besides the path: who asks, and with which session."""
+
+    client: str
+    cookie: str | None = None
+    authorization: str | None = None
+
+
 class ClusterSource(Protocol):
     """The cluster view a listener serves (``apsup.observability.cluster.ClusterProvider``)."""
 
@@ -56,6 +78,7 @@ class ClusterSource(Protocol):
     def recent(self) -> dict[str, Any] | None: ...
     def search(self, family: str, text: str) -> tuple[dict[str, Any], list[str] | None]: ...
     def scope(self, family: str, scope_id: str) -> tuple[dict[str, Any], dict[str, Any] | None]: ...
+    def act(self, action: str, family: str, scope: str) -> str: ...
 
 
 class Heartbeat:
@@ -98,14 +121,44 @@ class _Handler(BaseHTTPRequestHandler):
         args = {k: v[0] for k, v in urllib.parse.parse_qs(query, max_num_fields=8).items()}
         return path.rstrip("/") or "/", args
 
+    def _request(self) -> Request:
+        return Request(
+            client=str(self.client_address[0]),
+            cookie=self.headers.get("Cookie"),
+            authorization=self.headers.get("Authorization"),
+        )
+
     def do_GET(self) -> None:
         try:
             path, args = self._target()
-            code, ctype, body = self.server.app.respond(path, self.headers.get("Accept", ""), args)
+            code, ctype, body = self.server.app.respond(
+                path, self.headers.get("Accept", ""), args, self._request()
+            )
         except Exception as exc:  # never let a handler bug take the server down
             code, ctype = 500, JSON
             body = orjson.dumps({"error": redact(f"{type(exc).__name__}: {exc}")[:200]})
         self.send_response(code)
+        self._headers(ctype, len(body))
+        self.wfile.write(body)
+
+    def do_POST(self) -> None:
+        """The console's login, logout and actions (form posts; nothing else accepts POST)."""
+        headers: dict[str, str] = {}
+        try:
+            path, _ = self._target()
+            length = int(self.headers.get("Content-Length") or 0)
+            if length > MAX_FORM_BYTES:
+                code, ctype, body = 413, JSON, orjson.dumps({"error": "form too large"})
+            else:
+                raw = self.rfile.read(length).decode("utf-8", "replace") if length else ""
+                form = {k: v[0] for k, v in urllib.parse.parse_qs(raw, max_num_fields=16).items()}
+                code, ctype, body, headers = self.server.app.post(path, form, self._request())
+        except Exception as exc:
+            code, ctype = 500, JSON
+            body = orjson.dumps({"error": redact(f"{type(exc).__name__}: {exc}")[:200]})
+        self.send_response(code)
+        for name, value in headers.items():
+            self.send_header(name, value)
         self._headers(ctype, len(body))
         self.wfile.write(body)
 
@@ -122,7 +175,9 @@ class _Handler(BaseHTTPRequestHandler):
         """Probes and load balancers that use HEAD get GET's status and headers, no body."""
         try:
             path, args = self._target()
-            code, ctype, body = self.server.app.respond(path, self.headers.get("Accept", ""), args)
+            code, ctype, body = self.server.app.respond(
+                path, self.headers.get("Accept", ""), args, self._request()
+            )
         except Exception:
             code, ctype, body = 500, JSON, b""
         self.send_response(code)
@@ -141,6 +196,7 @@ class HealthServer:
         metrics: CollectorRegistry | Any = None,
         status: StatusProvider | None = None,
         cluster: ClusterSource | None = None,
+        auth: ConsoleAuth | None = None,
         heartbeat: Heartbeat | None = None,
         liveness_timeout: float = 30.0,
         host: str = "127.0.0.1",
@@ -152,6 +208,7 @@ class HealthServer:
         self._refresh: Callable[[], None] | None = getattr(metrics, "refresh", None)
         self.status = status
         self.cluster = cluster
+        self.auth = auth or ConsoleAuth(None)
         self.heartbeat = heartbeat
         self.liveness_timeout = liveness_timeout
         self._bind = (host, port)
@@ -251,17 +308,37 @@ class HealthServer:
         return (200 if alive else 503), orjson.dumps(body)
 
     def respond(
-        self, path: str, accept: str, args: dict[str, str] | None = None
+        self,
+        path: str,
+        accept: str,
+        args: dict[str, str] | None = None,
+        request: Request | None = None,
     ) -> tuple[int, str, bytes]:
-        """(HTTP code, content type, body) for a GET of ``path`` with query ``args``."""
+        """(HTTP code, content type, body) for a GET of ``path`` with query ``args``, asked by
+        ``request`` (None: an in-process caller, which may read everything)."""
         args = args or {}
+        session = self.auth.session(request.cookie) if request is not None else None
+        if path == "/login" and self.cluster is not None:
+            return self._login_page(session)
+        if path in CONSOLE_PATHS and self.cluster is not None:
+            refused = self._refused(path, request, session)
+            if refused is not None:
+                return refused
         if path in ("/scope", "/scope-main", "/search", "/search-main"):
-            return self._scope_pages(path, args)
+            return self._scope_pages(path, args, session)
         if path in ("/", "/console-main") and self.cluster is not None:
             view, error = self._cluster()
+            csrf = session.csrf if session is not None else None
             if path == "/":
-                return 200, "text/html; charset=utf-8", console.page(view, error, _minute())
-            return 200, "text/html; charset=utf-8", console.body(view, error, _minute()).encode()
+                flash = self._take_flash(session)
+                return (
+                    200,
+                    HTML,
+                    console.page(
+                        view, error, _minute(), session=self._session_state(session), flash=flash
+                    ),
+                )
+            return 200, HTML, console.body(view, error, _minute(), csrf).encode()
         if path == "/cluster" and self.cluster is not None:
             view, error = self._cluster()
             if view is None:
@@ -298,7 +375,9 @@ class HealthServer:
             return 200, ctype, encoder(self.registry)
         return 404, JSON, orjson.dumps({"error": f"no such endpoint: {path[:64]}"})
 
-    def _scope_pages(self, path: str, args: dict[str, str]) -> tuple[int, str, bytes]:
+    def _scope_pages(
+        self, path: str, args: dict[str, str], session: Session | None = None
+    ) -> tuple[int, str, bytes]:
         """A Scope's page and the search (``scope?family=F&id=S``, ``search?family=F&q=P``),
         and their refreshed content (``scope-main``, ``search-main``)."""
         html_type = "text/html; charset=utf-8"
@@ -314,7 +393,8 @@ class HealthServer:
         try:
             if path.startswith("/scope"):
                 view, detail = cluster.scope(family, key)
-                main = console.scope_body(detail, family, key)
+                csrf = session.csrf if session is not None else None
+                main = console.scope_body(detail, family, key, csrf)
             else:
                 view, found = cluster.search(family, key)
                 main = (
@@ -329,7 +409,143 @@ class HealthServer:
             return 200, html_type, main.encode()
         query = urllib.parse.urlencode({"family": family, ("id" if "scope" in path else "q"): key})
         source = f"{path.lstrip('/')}-main?{query}"
-        return 200, html_type, console.page(None, None, _minute(), main=main, source=source)
+        return (
+            200,
+            html_type,
+            console.page(
+                None,
+                None,
+                _minute(),
+                main=main,
+                source=source,
+                session=self._session_state(session),
+                flash=self._take_flash(session),
+            ),
+        )
+
+    # --- access and actions --------------------------------------------------------------
+
+    def _session_state(self, session: Session | None) -> str:
+        if not self.auth.enabled:
+            return "off"
+        return "login" if session is None else session.csrf
+
+    @staticmethod
+    def _take_flash(session: Session | None) -> list[str]:
+        if session is None or not session.flash:
+            return []
+        shown, session.flash[:] = list(session.flash), []
+        return shown
+
+    def _refused(
+        self, path: str, request: Request | None, session: Session | None
+    ) -> tuple[int, str, bytes] | None:
+        """None if ``request`` may read the console page ``path``, else the refusal."""
+        if request is None or is_loopback(request.client) or session is not None:
+            return None
+        if path == "/cluster" and self.auth.bearer(request.authorization):
+            return None
+        if not self.auth.enabled:
+            reason = (
+                "this replica's console answers loopback clients only: reach it through an SSH "
+                "tunnel or port-forward, or set CONSOLE_TOKEN_FILE to let operators log in"
+            )
+            if path == "/cluster":
+                return 403, JSON, orjson.dumps({"error": reason})
+            return (
+                403,
+                HTML,
+                console.page(
+                    None, None, _minute(), main=f"<p class='error'>{html.escape(reason)}</p>"
+                ),
+            )
+        if path == "/cluster":
+            return 401, JSON, orjson.dumps({"error": "send Authorization: Bearer <console token>"})
+        return (
+            200,
+            HTML,
+            console.page(None, None, _minute(), main=console.login_body(), session="login"),
+        )
+
+    def _login_page(self, session: Session | None) -> tuple[int, str, bytes]:
+        if not self.auth.enabled:
+            main = (
+                "<p class='error'>actions are off on this replica: set CONSOLE_TOKEN_FILE (a "
+                "file holding a token of 16+ characters) to turn them on</p>"
+            )
+        elif session is not None:
+            main = "<p>You are logged in. <a href='./'>Back to the cluster</a></p>"
+        else:
+            main = console.login_body()
+        return (
+            200,
+            HTML,
+            console.page(None, None, _minute(), main=main, session=self._session_state(session)),
+        )
+
+    def post(
+        self, path: str, form: dict[str, str], request: Request
+    ) -> tuple[int, str, bytes, dict[str, str]]:
+        """A console form: ``login`` (the token), ``logout`` and ``action`` (a session and its
+        CSRF token required). Answers with a redirect (303) to a console page."""
+        if self.cluster is None or path not in ("/login", "/logout", "/action"):
+            return 404, JSON, orjson.dumps({"error": f"no such form: {path[:64]}"}), {}
+        if path == "/login":
+            if not self.auth.enabled:
+                return (*self._login_page(None), {})
+            session = self.auth.login(form.get("token", ""), request.client)
+            if session is None:
+                _log.warning("console login refused", extra={"client": request.client})
+                page = console.page(
+                    None, None, _minute(), main=console.login_body("wrong token"), session="login"
+                )
+                return 401, HTML, page, {}
+            _log.info("console login", extra={"client": request.client})
+            return 303, HTML, b"", {"Location": "./", "Set-Cookie": ConsoleAuth.cookie(session)}
+        session = self.auth.session(request.cookie)
+        if session is None or not ConsoleAuth.csrf_ok(session, form.get("csrf", "")):
+            reason = "log in first (or again): the session is missing, expired or not this form's"
+            page = console.page(
+                None, None, _minute(), main=console.login_body(reason),
+                session=self._session_state(None),
+            )  # fmt: skip
+            return 403, HTML, page, {}
+        if path == "/logout":
+            self.auth.logout(session)
+            return 303, HTML, b"", {"Location": "./", "Set-Cookie": ConsoleAuth.cookie(None)}
+        action, family, scope = (
+            form.get("action", ""),
+            form.get("family", ""),
+            form.get("scope", ""),
+        )
+        try:
+            message = self.cluster.act(action, family, scope)
+            outcome = "done"
+        except Exception as exc:
+            message = redact(
+                str(exc) if isinstance(exc, ApsupError) else f"{type(exc).__name__}: {exc}"
+            )[:300]
+            outcome = "refused" if isinstance(exc, ApsupError) else "failed"
+        _log.info(
+            "console action",
+            extra={
+                "action": action,
+                "family": family,
+                "scope": scope or None,
+                "who": session.who,
+                "outcome": outcome,
+                "result": message,
+            },
+        )
+        session.flash.append(message if outcome == "done" else f"{action} {outcome}: {message}")
+        return 303, HTML, b"", {"Location": _safe_back(form.get("back", ""))}
+
+
+def _safe_back(back: str) -> str:
+    """A relative console page to return to after an action (never another site)."""
+    if back.startswith(("scope?", "search?", "./")) and "//" not in back and "\\" not in back:
+        return back
+    return "./"
 
 
 def _minute() -> int:

@@ -109,6 +109,8 @@ def child_env(
     put("SHUTDOWN_DRAIN_SECONDS", _num(settings.shutdown_drain_seconds))
     put("LOG_FORMAT", settings.log_format)
     put("LOG_LEVEL", settings.log_level)
+    if settings.console_token:  # each family process serves a console of its own
+        put("CONSOLE_TOKEN", settings.console_token)
     for fam in settings.families.values():
         fp = fam.prefix + "_"
         policy = fam.policy
@@ -258,6 +260,7 @@ class DedicatedLauncher:
         try:
             if self.settings.http_port is not None:
                 from apsup.observability.cluster import ClusterProvider, own_processes
+                from apsup.observability.console_auth import ConsoleAuth
                 from apsup.store import open_backend
 
                 # The cluster view's own pool (read on the listener's threads); this replica's
@@ -272,7 +275,9 @@ class DedicatedLauncher:
                         lease_seconds=self.settings.lease_seconds,
                         local=self._status,
                         own=own_processes(replica=self.replica_id),
+                        families=self.settings.families,
                     ),
+                    auth=ConsoleAuth(self.settings.console_token),
                     heartbeat=heartbeat,
                     liveness_timeout=self.liveness_timeout,
                     host=self.settings.http_host,

@@ -45,6 +45,7 @@ from apsup.errors import ConfigError, StartupInterrupted
 from apsup.observability import tracing
 from apsup.observability.cluster import ClusterProvider, Own, own_processes
 from apsup.observability.console import CHART_MINUTES
+from apsup.observability.console_auth import ConsoleAuth
 from apsup.observability.health import HealthServer, Heartbeat
 from apsup.observability.logging import (
     error_fields,
@@ -546,11 +547,13 @@ class Runtime:
             lease_seconds=s.lease_seconds,
             local=status,
             own=own,
+            families={f.name: f for f in self.families()},
         )
         self._health = HealthServer(
             metrics=metrics,
             status=status,
             cluster=cluster,
+            auth=ConsoleAuth(s.console_token),
             heartbeat=heartbeat,
             liveness_timeout=self.liveness_timeout,
             host=self.settings.http_host,
