@@ -15,7 +15,9 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -27,7 +29,15 @@ class PhaseFailed(SystemExit):
         super().__init__(1)
 
 
+#: A stop that arrived while a child was being started (raised once it is known).
+_deferred: list[int] = []
+_launching = 0
+
+
 def _stop(signum: int, frame: object) -> None:
+    if _launching:
+        _deferred.append(signum)
+        return
     raise SystemExit(128 + signum)
 
 
@@ -54,13 +64,60 @@ def stop_group(proc: subprocess.Popen[Any], grace: float = 20.0) -> None:
         proc.wait(10)
 
 
+#: Environment variable marking every process a ``child_group`` started, and their children.
+GROUP_TAG = "APSUP_BENCH_GROUP"
+
+
+def tagged(tag: str) -> list[int]:
+    """Live processes whose environment carries ``GROUP_TAG=tag`` (zombies do not count)."""
+    needle = f"{GROUP_TAG}={tag}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle not in (entry / "environ").read_bytes():
+                continue
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def kill_tagged(tag: str, within: float = 5.0) -> None:
+    """SIGKILL what is left of a group that escaped it: Workers lead process groups of their
+    own (``setsid``), so a host killed mid-drain leaves them running, reparented."""
+    deadline = time.monotonic() + within
+    while (left := tagged(tag)) and time.monotonic() < deadline:
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+
+
 @contextlib.contextmanager
 def child_group(
     args: Sequence[str], grace: float = 20.0, **kwargs: Any
 ) -> Iterator[subprocess.Popen[Any]]:
-    """``Popen(args)`` as the leader of a new process group, stopped whole on exit."""
-    proc = subprocess.Popen(list(args), start_new_session=True, **kwargs)
+    """``Popen(args)`` as the leader of a new process group, stopped whole on exit, with every
+    descendant (tagged through the environment they inherit)."""
+    tag = uuid.uuid4().hex
+    kwargs["env"] = {**(kwargs.get("env") or os.environ), GROUP_TAG: tag}
+    # A SIGTERM that lands while Popen runs would raise after the fork but before ``proc`` is
+    # known, and the child would never be stopped: the handler defers it until the try below.
+    # (Blocking the signals instead would leave them blocked in the child too.)
+    global _launching
+    _launching += 1
     try:
+        proc = subprocess.Popen(list(args), start_new_session=True, **kwargs)
+    finally:
+        _launching -= 1
+    try:
+        if _deferred:
+            raise SystemExit(128 + _deferred[0])
         yield proc
     finally:
         stop_group(proc, grace)
+        kill_tagged(tag)

@@ -42,6 +42,13 @@ def _tagged(tag: str) -> list[int]:
     return found
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return "?"
+
+
 def _start(tag: str, *args: str) -> subprocess.Popen[str]:
     env = dict(os.environ, APSUP_BENCH_TEST_TAG=tag, PYTHONUNBUFFERED="1")
     return subprocess.Popen(
@@ -74,7 +81,8 @@ def test_sigterm_in_the_middle_leaves_nothing_running() -> None:
         deadline = time.monotonic() + 10
         while _tagged(tag) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert _tagged(tag) == [], "processes the benchmark started outlived it"
+        left = {pid: _cmdline(pid) for pid in _tagged(tag)}
+        assert left == {}, "processes the benchmark started outlived it"
     finally:
         for pid in _tagged(tag):
             os.kill(pid, signal.SIGKILL)

@@ -52,7 +52,7 @@ def _answers(url: str) -> bool:
 def warm(url: str) -> None:
     if backend_kind(url) != "sqlite" and not _answers(url):
         return
-    backend = backend_for(url)
+    backend: Any = backend_for(url)
     with backend.read() as conn:
         intents.get(conn, _PROBE, _PROBE)
     # The write probe must not wait out a Worker's lock wait (SQLite: 30 s) behind another
