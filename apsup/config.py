@@ -330,6 +330,8 @@ class Settings:
     #: The console's credential (``CONSOLE_TOKEN_FILE`` or ``CONSOLE_TOKEN``): None keeps the
     #: console read-only and loopback-only. Never logged, never passed to Workers.
     console_token: str | None = field(default=None, repr=False)
+    #: Where it was read from (dedicated children are given the path, not the token).
+    console_token_file: str | None = None
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -462,6 +464,7 @@ class Settings:
             shutdown_drain_seconds=30.0 if drain is None else drain,
             replica_id=replica_id,
             console_token=console_token,
+            console_token_file=r.values.get("CONSOLE_TOKEN_FILE") if console_token else None,
             log_format=log_format,
             log_level=log_level,
             families=families,

@@ -109,7 +109,9 @@ def child_env(
     put("SHUTDOWN_DRAIN_SECONDS", _num(settings.shutdown_drain_seconds))
     put("LOG_FORMAT", settings.log_format)
     put("LOG_LEVEL", settings.log_level)
-    if settings.console_token:  # each family process serves a console of its own
+    if settings.console_token_file:  # each family process serves a console of its own
+        put("CONSOLE_TOKEN_FILE", settings.console_token_file)
+    elif settings.console_token:
         put("CONSOLE_TOKEN", settings.console_token)
     for fam in settings.families.values():
         fp = fam.prefix + "_"
