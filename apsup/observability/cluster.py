@@ -149,39 +149,56 @@ def fetch_all(
 class Events:
     """Leadership changes seen between two reads of the Lease table, newest first, bounded.
 
-    Why: a takeover after a Lease ran out (the holder was gone or cut off), a handoff (the
-    holder released it: placement moved the family, or a clean shutdown), a step-down (the
-    holder dropped its term on its renew deadline and the Lease ran out while it was alive)."""
+    Why: a **handoff** (the holder released the Lease: placement moved the family, or a clean
+    shutdown), a **takeover** (it ran out and its holder's membership row had gone stale: the
+    process was killed, frozen or cut off), a **step-down** (it ran out while its holder was
+    still refreshing its row: the holder gave its term up on its renew deadline). Holders are
+    named by replica, remembered here, so a replica gone since keeps its name in the events."""
 
     def __init__(self, kept: int = EVENTS_KEPT) -> None:
-        self._last: dict[str, LeaseRow] = {}
+        self._gen: dict[str, int] = {}  # Lease key -> generation last seen
+        self._holder: dict[str, str] = {}  # Lease key -> the last real holder seen
+        self._released: dict[str, bool] = {}  # ... and whether it released the Lease since
+        self._names: dict[str, str] = {}  # holder id -> replica name, as last seen
         self._events: deque[dict[str, Any]] = deque(maxlen=kept)
         self._lock = threading.Lock()
 
-    def observe(self, db: DbView, names: dict[str, str]) -> list[dict[str, Any]]:
+    def observe(
+        self, db: DbView, names: dict[str, str], lease_seconds: float
+    ) -> list[dict[str, Any]]:
         """Record the changes since the last call; ``names``: holder id -> replica name."""
-        alive = {m.holder_id for m in db.members}
+        fresh = {
+            m.holder_id
+            for m in db.members
+            if replica_state((db.now - m.last_seen).total_seconds(), lease_seconds) == "live"
+        }
         with self._lock:
+            self._names.update(names)
             for row in db.leases:
-                before = self._last.get(row.supervisor_key)
-                self._last[row.supervisor_key] = row
-                if before is None or before.generation == row.generation:
+                key, holder = row.supervisor_key, row.holder_id
+                if not holder or holder == INVALIDATED:
+                    if key in self._holder:
+                        self._released[key] = True
                     continue
-                if not row.holder_id or row.holder_id == INVALIDATED:
+                known, before = self._gen.get(key), self._holder.get(key)
+                self._gen[key] = row.generation
+                self._holder[key] = holder
+                released = self._released.pop(key, False)
+                if known is None or known == row.generation:
                     continue
-                if before.holder_id == INVALIDATED:
+                if released:
                     why = "handoff"
-                elif before.holder_id == row.holder_id:
+                elif before == holder:
                     why = "re-elected"
-                elif before.holder_id in alive:
+                elif before in fresh:
                     why = "step-down"
                 else:
                     why = "takeover"
                 self._events.appendleft(
                     {
-                        "key": row.supervisor_key,
-                        "from": names.get(before.holder_id) if before.holder_id else None,
-                        "to": names.get(row.holder_id, row.holder_id[:8]),
+                        "key": key,
+                        "from": self._names.get(before, before[:8]) if before else None,
+                        "to": self._names.get(holder, holder[:8]),
                         "term": row.generation,
                         "at": _iso(db.now),
                         "why": why,
@@ -275,7 +292,7 @@ def collect(
     view["sources"] = [
         {"url": u, "available": s is not None, "error": err or None} for u, s, err in fetched
     ]
-    view["events"] = events.observe(db, names) if events is not None else []
+    view["events"] = events.observe(db, names, lease_seconds) if events is not None else []
     view["summary"] = summary(view)
     return view
 

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -23,11 +26,12 @@ import pytest
 from tests.replicas.cluster import Cluster
 from tests.replicas.support import wait_for
 
-pytestmark = [pytest.mark.backends("mysql"), pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.backends("mysql"), pytest.mark.timeout(300)]
 
 PREFIX = "POWERCONTEXT_SERVER_RUNTIME_"
 FAMILIES = ("replica-side", "replica-work")
 HOSTILE = "fail.<script>alert(1)</script>\"'&"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 def _get(port: int, path: str) -> Any:
@@ -106,7 +110,7 @@ def test_every_replica_shows_the_whole_cluster(db_url: str, tmp_path: Path) -> N
         # One row per background replica, its two family processes inside (an api replica
         # keeps no membership row: it leads nothing and runs no Worker).
         assert len(replicas) == 2, replicas
-        assert all(r["state"] == "live" and len(r["processes"]) == 2 for r in replicas.values())
+        assert all(r["state"] != "gone" and len(r["processes"]) == 2 for r in replicas.values())
         leaders = {api_view["families"][n]["leader"]["replica"] for n in FAMILIES}
         assert leaders <= {name for name, r in replicas.items() if r["role"] == "background"}
         assert api_view["summary"]["status"] == "attention"
@@ -132,5 +136,86 @@ def test_every_replica_shows_the_whole_cluster(db_url: str, tmp_path: Path) -> N
         doc = json.loads(out.stdout)
         assert all(doc["families"][n]["budget"] is not None for n in FAMILIES), doc["families"]
         assert _agreed(doc) == _agreed(api_view)
+
+        # A takeover, as every replica tells it: kill -9 the replica leading replica-work,
+        # once placement has settled (the same leader and term over two views 2 s apart).
+        def steady() -> dict[str, Any] | None:
+            first = _get(ports[2], "/cluster")["families"]["replica-work"]["leader"]
+            time.sleep(2.0)
+            again = _get(ports[2], "/cluster")["families"]["replica-work"]["leader"]
+            same = (first["replica"], first["generation"]) == (
+                again["replica"],
+                again["generation"],
+            )
+            return again if same and again["state"] == "active" else None
+
+        held = wait_for(steady, 60, "a steady leader of replica-work")
+        victim_name, killed_term = held["replica"], held["generation"]
+        pids = {p["pid"] for p in replicas[victim_name]["processes"]}
+        victim = next(r for r in (a, b) if pids <= set(c.process_tree(r)))
+        survivor = next(name for name in replicas if name != victim_name)
+        # The whole replica at once: frozen first (SIGSTOP cannot be handled), then killed,
+        # so no process of it reacts to another's death (a family process whose launcher or
+        # forkserver died first would leave cleanly, releasing its Lease: not a crash).
+        tree = c.process_tree(victim)
+        c.signal_all(tree, signal.SIGSTOP)
+        c.signal_all(tree, signal.SIGKILL)
+        victim.proc.wait(10)
+
+        seen: list[dict[str, Any]] = []
+
+        def taken_over() -> dict[str, Any] | None:
+            view = _get(ports[2], "/cluster")
+            seen[:] = [view]
+            events = [e for e in view["events"] if e["key"] == "artifact:replica-work"]
+            # Usually a takeover (the Lease ran out); a placement handoff the victim had begun
+            # just before it was killed shows as that handoff, also from it to the survivor.
+            done = any(
+                e["term"] > killed_term
+                and e["why"] in ("takeover", "step-down", "handoff")
+                and (e["from"], e["to"]) == (victim_name, survivor)
+                for e in events
+            )
+            gone = {r["replica"]: r["state"] for r in view["replicas"]}.get(victim_name)
+            return view if done and gone == "gone" else None
+
+        try:
+            view = wait_for(taken_over, 60, "the takeover listed and the killed replica gone")
+        except AssertionError:
+            last = seen[-1] if seen else {}
+            states = [(r["replica"], r["state"]) for r in last.get("replicas", [])]
+            from apsup.store import membership
+
+            with c.backend.read() as conn:
+                rows = [(m.replica_id, m.pid, m.last_seen) for m in membership.members(conn)]
+            raise AssertionError(
+                (victim_name, survivor, last.get("events"), states, rows, victim.log_tail(15))
+            ) from None
+        assert view["summary"]["status"] == "degraded", view["summary"]
+        assert view["families"]["replica-work"]["leader"]["replica"] == survivor
+        _browser_shows(f"http://127.0.0.1:{ports[2]}/", victim_name, survivor)
     finally:
         c.close()
+
+
+def _browser_shows(url: str, victim: str, survivor: str) -> None:
+    """The api replica's page in a real browser: the takeover event and the gone replica."""
+    if CHROMIUM is None:
+        return  # tests/test_console.py says how to install it; the HTTP checks above ran
+    playwright = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.goto(url)
+            events = page.locator("table.events")
+            events.locator("tr", has_text="artifact:replica-work").first.wait_for(timeout=10_000)
+            row = events.locator("tr", has_text="artifact:replica-work").first.inner_text()
+            assert victim in row and survivor in row, row
+            assert any(why in row for why in ("takeover", "step-down", "handoff")), row
+            replicas = page.locator("table.replicas").inner_text()
+            assert "gone since" in replicas, replicas
+            assert "degraded" in page.locator("section.summary").inner_text()
+            assert "hunter2" not in page.content()
+        finally:
+            browser.close()
