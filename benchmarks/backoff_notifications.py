@@ -225,6 +225,12 @@ def main(argv: list[str] | None = None) -> int:
 
                 with mysql_url(args.mysql) as url:
                     results[filtered] = run(url, args.scopes, args.seconds, args.interval, filtered)
+            w = results[filtered]  # each half on its own line: a long run stopped later keeps it
+            progress(
+                f"{label}: {w.pages} request pages for {w.requested} new requests "
+                f"({w.pages / max(1, w.requested):.2f} each), {w.statements / w.seconds:.0f} "
+                f"statements/s, {w.handled} handled"
+            )
     on, off = results[True], results[False]
 
     def rate(w: Window, n: int) -> float:
