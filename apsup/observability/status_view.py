@@ -876,46 +876,18 @@ def _run(
     err: TextIO,
     sleep: Callable[[float], None],
 ) -> int:
-    def unreadable(exc: Exception) -> str:
-        return f"cannot read {redact_url(db_url)}: {type(exc).__name__}: {exception_message(exc)}"
-
-    if args.json or args.once:
+    def collect() -> dict[str, Any]:
         try:
-            view = _collect(backend, db_url, host_url)
+            return _collect(backend, db_url, host_url)
         except (SQLAlchemyError, OSError) as exc:
-            return _fail(unreadable(exc), EXIT_UNREADABLE, err)
-        if args.json:
-            out.write(orjson.dumps(view, option=orjson.OPT_INDENT_2).decode() + "\n")
-        else:
-            out.write(render_text(view))
-        out.flush()
-        return EXIT_OK
+            message = (
+                f"cannot read {redact_url(db_url)}: {type(exc).__name__}: {exception_message(exc)}"
+            )
+            raise StatusUnavailable(message, EXIT_UNREADABLE) from None
 
-    tty = out.isatty()
-    last: dict[str, Any] | None = None
-    previous = _quit_on_ctrl_c()
-    try:
-        while True:
-            error: str | None = None
-            try:
-                last = _collect(backend, db_url, host_url)
-            except (SQLAlchemyError, OSError) as exc:
-                error = unreadable(exc)
-            if last is None:
-                text = f"apsup status  ·  {redact_url(db_url)}\nrefresh failed: {error}\n"
-            else:
-                text = render_text(last, error)
-            footer = f"\nrefreshing every {interval:g}s  ·  Ctrl-C to quit\n"
-            out.write((_CLEAR + text + footer) if tty else (text + footer + "\n"))
-            out.flush()
-            sleep(interval)
-    except KeyboardInterrupt:
-        if tty:
-            out.write("\n")
-        return EXIT_OK
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
+    return _show(
+        collect, f"apsup status  ·  {redact_url(db_url)}\n", args, interval, out, err, sleep
+    )
 
 
 def _remote(
@@ -933,9 +905,23 @@ def _remote(
     interval = float(args.interval)
     if not (args.once or args.json or interval > 0):
         return _fail(f"--interval must be > 0 seconds, got {interval:g}", EXIT_MISSING, err)
+    return _show(lambda: fetch_cluster(args.url), "", args, interval, out, err, sleep)
+
+
+def _show(
+    collect: Callable[[], dict[str, Any]],
+    title: str,
+    args: argparse.Namespace,
+    interval: float,
+    out: TextIO,
+    err: TextIO,
+    sleep: Callable[[float], None],
+) -> int:
+    """Print the view ``collect`` builds (``StatusUnavailable``: why not) once (``--json``,
+    ``--once``) or every ``interval`` seconds until Ctrl-C, keeping the last one shown."""
     if args.json or args.once:
         try:
-            view = fetch_cluster(args.url)
+            view = collect()
         except StatusUnavailable as exc:
             return _fail(str(exc), exc.code, err)
         if args.json:
@@ -944,21 +930,29 @@ def _remote(
             out.write(render_text(view))
         out.flush()
         return EXIT_OK
-    previous = _quit_on_ctrl_c()
+
+    tty = out.isatty()
     last: dict[str, Any] | None = None
+    previous = _quit_on_ctrl_c()
     try:
         while True:
-            error = None
+            error: str | None = None
             try:
-                last = fetch_cluster(args.url)
+                last = collect()
             except StatusUnavailable as exc:
                 error = str(exc)
-            text = render_text(last, error) if last is not None else f"refresh failed: {error}\n"
+            text = (
+                render_text(last, error)
+                if last is not None
+                else f"{title}refresh failed: {error}\n"
+            )
             footer = f"\nrefreshing every {interval:g}s  ·  Ctrl-C to quit\n"
-            out.write((_CLEAR + text + footer) if out.isatty() else (text + footer + "\n"))
+            out.write((_CLEAR + text + footer) if tty else (text + footer + "\n"))
             out.flush()
             sleep(interval)
     except KeyboardInterrupt:
+        if tty:
+            out.write("\n")
         return EXIT_OK
     finally:
         if previous is not None:
