@@ -68,9 +68,9 @@ def stop_group(proc: subprocess.Popen[Any], grace: float = 20.0) -> None:
 GROUP_TAG = "APSUP_BENCH_GROUP"
 
 
-def tagged(tag: str) -> list[int]:
-    """Live processes whose environment carries ``GROUP_TAG=tag`` (zombies do not count)."""
-    needle = f"{GROUP_TAG}={tag}".encode()
+def tagged(tag: str, variable: str = GROUP_TAG) -> list[int]:
+    """Live processes whose environment carries ``variable=tag`` (zombies do not count)."""
+    needle = f"{variable}={tag}".encode()
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():

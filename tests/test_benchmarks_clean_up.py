@@ -8,6 +8,7 @@ starts carries the environment it was given, so a tag in that environment finds 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,22 +26,24 @@ REPO = Path(__file__).resolve().parent.parent
 WAKEUP = REPO / "benchmarks" / "wakeup.py"
 
 
+def _load_processes() -> Any:
+    """``benchmarks/_processes.py`` under a name of its own (the benchmarks folder is not put
+    on the path: its ``mysql`` and ``intake`` would shadow other modules)."""
+    spec = importlib.util.spec_from_file_location(
+        "apsup_bench_processes", REPO / "benchmarks" / "_processes.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_PROCESSES = _load_processes()
+
+
 def _tagged(tag: str) -> list[int]:
-    """Live processes whose environment carries ``tag`` (zombies do not count)."""
-    found = []
-    needle = f"APSUP_BENCH_TEST_TAG={tag}".encode()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if needle not in (entry / "environ").read_bytes():
-                continue
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            found.append(int(entry.name))
-    return found
+    """Live processes whose environment carries the test's tag (the benchmarks' own finder)."""
+    return list(_PROCESSES.tagged(tag, "APSUP_BENCH_TEST_TAG"))
 
 
 def _cmdline(pid: int) -> str:
