@@ -44,6 +44,9 @@ FETCH_TIMEOUT = 1.5
 GONE_KEPT_SECONDS = membership.GONE_KEPT_SECONDS
 #: Leadership changes kept in memory (the newest first on the page).
 EVENTS_KEPT = 50
+#: A request unacknowledged this long (by its leader's clock) is listed as needing attention;
+#: the shipped alert rule (ApsupRequestWaiting) uses the same bound.
+OLD_REQUEST_SECONDS = 600.0
 
 #: Which membership rows are the caller's own processes (their figures are in its snapshot).
 Own = Callable[[membership.Member], bool] | None
@@ -245,6 +248,19 @@ def summary(view: dict[str, Any]) -> dict[str, Any]:
         if fam.get("paused"):
             items.append(
                 {"family": name, "kind": "paused", "text": f"{name}: paused by the operator"}
+            )
+        age = fam.get("oldest_request_age")
+        if (
+            isinstance(age, int | float)
+            and age >= OLD_REQUEST_SECONDS
+            and fam.get("unacknowledged")
+        ):
+            items.append(
+                {
+                    "family": name,
+                    "kind": "old-request",
+                    "text": f"{name}: a request has waited {age / 60:.0f} min",
+                }
             )
     for src in view.get("sources", []):
         if not src["available"]:

@@ -79,6 +79,21 @@ def _table(headers: list[str], rows: list[list[object]], empty: str, cls: str = 
     return f"<table{attr}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
+def _waits(fam: dict[str, Any]) -> bool:
+    return bool(fam.get("unacknowledged")) and bool(fam.get("oldest_request_age"))
+
+
+def _age(seconds: object) -> str:
+    """A duration for people: 45 s, 12 min, 3.5 h."""
+    if not isinstance(seconds, int | float):
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
 def chart(history: list[list[int]], now_minute: int) -> str:
     """An inline SVG bar chart with axes: succeeded (class ok) and failed (class failed)
     invocations per minute over the last ``CHART_MINUTES`` minutes (no plotting library)."""
@@ -191,7 +206,9 @@ def _family(name: str, fam: dict[str, Any], now_minute: int, csrf: str | None = 
         f"policy {_e(fam.get('policy'))} · next check {_e(fam.get('due_at'))}</p>"
         f'<p class="facts">{counts}'
         f"parked {_e(fam.get('parked_count', 0))} · "
-        f"unacknowledged {_e(fam.get('unacknowledged'))} · dirty {_e(fam.get('dirty'))}"
+        f"unacknowledged {_e(fam.get('unacknowledged'))}"
+        + (f" (oldest {_e(_age(fam.get('oldest_request_age')))})" if _waits(fam) else "")
+        + f" · dirty {_e(fam.get('dirty'))}"
         + (f" · {_e(fam.get('reason'))}" if fam.get("reason") else "")
         + "</p>"
         + _family_actions(name, fam, csrf)

@@ -119,6 +119,13 @@ class SupervisorMetrics:
             fam,
             registry=r,
         )
+        self.oldest_request_age = Gauge(
+            "apsup_oldest_request_age_seconds",
+            "Age of the oldest unacknowledged request the leader knows of (parked Scopes left "
+            "out), counted from when its term first read it.",
+            fam,
+            registry=r,
+        )
         self.unconfirmed = Gauge(
             "apsup_workers_unconfirmed",
             "Workers whose exit cannot be confirmed yet; they keep holding capacity.",
@@ -199,6 +206,7 @@ class SupervisorMetrics:
             self.ready,
             self.retry_wait,
             self.unacknowledged,
+            self.oldest_request_age,
             self.unconfirmed,
             self.discovery_seconds,
             self.invocation_seconds,
@@ -296,6 +304,10 @@ class SupervisorMetrics:
     @_never_raises
     def set_unacknowledged(self, family: str, n: int) -> None:
         self.unacknowledged.labels(self._family(family)).set(n)
+
+    @_never_raises
+    def set_oldest_request_age(self, family: str, seconds: float) -> None:
+        self.oldest_request_age.labels(self._family(family)).set(round(seconds, 1))
 
     @_never_raises
     def set_stall(

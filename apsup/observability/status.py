@@ -41,6 +41,9 @@ class FamilyStatus(TypedDict):
     next_retry_at: str | None  # ISO-8601 UTC of the earliest retry, None if no key waits
     due_at: str | None  # ISO-8601 UTC of the next automatic check, None when disabled
     unacknowledged: int | None  # requested > handled count from the last DB count, None if unknown
+    #: Seconds since this term first saw the oldest request still unacknowledged (parked Scopes
+    #: left out; ``apsup.supervisor.request_ages``); 0 when none waits.
+    oldest_request_age: NotRequired[float]
     #: Workers whose exit could not be confirmed (their forkserver died and they could not be
     #: adopted, or SIGKILL brought no status yet); each still holds a budget slot.
     unconfirmed: NotRequired[int]

@@ -532,6 +532,7 @@ def build_view(
             "retry_wait": mem.get("retry_wait") if mem else None,
             "next_retry_at": mem.get("next_retry_at") if mem else None,
             "unacknowledged": dbf.unacknowledged if dbf else None,
+            "oldest_request_age": mem.get("oldest_request_age") if mem else None,
             "unconfirmed": mem.get("unconfirmed") if mem else None,
             "dirty": dbf.dirty if dbf else None,
             "last_scan": None

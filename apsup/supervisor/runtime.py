@@ -69,7 +69,7 @@ from apsup.supervisor.nudge import NudgeListener
 from apsup.supervisor.placement import Balancer
 from apsup.supervisor.process import configure_logs, main_thread, signals
 from apsup.supervisor.startup import check_schema, needs_reference_tables
-from apsup.supervisor.supervisor import Hooks
+from apsup.supervisor.supervisor import Hooks, Supervisor
 from apsup.supervisor.visibility import ScrapeCounter, observe_stall, publish_intervals
 from apsup.workers.exit_codes import ExitCode
 
@@ -200,6 +200,7 @@ class HostObserver:
         self._next_count = 0.0
         self._activity = -1
         self._unacked: dict[str, int] = {}
+        self._ages: dict[str, tuple[float, float]] = {}  # family -> (when computed, age)
         #: The scheduler's clamp count per family, as last exported (a new term's scheduler
         #: counts from 0 again; the exported counter only ever grows).
         self._rewinds: dict[str, int] = {}
@@ -242,6 +243,15 @@ class HostObserver:
         elif ok or bad:
             buckets.append([minute, ok, bad])
         return [list(b) for b in buckets if b[0] > minute - CHART_MINUTES]
+
+    def _request_age(self, sup: Supervisor, family: str) -> float:
+        # The oldest of possibly many known requests: looked for at most once a second.
+        now = time.monotonic()
+        at, age = self._ages.get(family, (0.0, 0.0))
+        if now - at >= 1.0:
+            age = sup.request_ages.oldest(family, now, sup.controls.parked.get(family, ()))
+            self._ages[family] = (now, age)
+        return age
 
     def _read_leases(self, host: Host, now: float) -> None:
         # Elected backends only: a cheap read of the Lease table at the renewal cadence tells a
@@ -349,6 +359,7 @@ class HostObserver:
                 paused = sup.controls.paused.get(name, False)
                 if paused and reason is None:  # a choice, like a disabled policy: not degraded
                     reason = "paused by the operator (apsup families resume)"
+                age = self._request_age(sup, name)
                 running = snap.running if snap is not None else 0
                 ready = snap.ready if snap is not None else 0
                 retry_wait = snap.retry_wait if snap is not None else 0
@@ -362,6 +373,7 @@ class HostObserver:
                     "next_retry_at": _iso(snap.next_retry_at) if snap is not None else None,
                     "due_at": _iso(snap.due_at) if snap is not None else None,
                     "unacknowledged": self._unacked.get(name),
+                    "oldest_request_age": round(age, 1),
                     "unconfirmed": unconfirmed.get(name, 0),
                     "policy": fam.policy.describe(),
                     "paused": paused,
@@ -375,6 +387,7 @@ class HostObserver:
                     self.metrics.on_clock_rewinds(name, seen - last if seen >= last else seen)
                     self._rewinds[name] = seen
                 self.metrics.set_unconfirmed(name, unconfirmed.get(name, 0))
+                self.metrics.set_oldest_request_age(name, age)
                 families[name]["history"] = self._history_of(
                     name, sup.completed.get(name, 0), sup.failed.get(name, 0)
                 )

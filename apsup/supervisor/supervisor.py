@@ -49,6 +49,7 @@ from apsup.store.operator_state import FamilyControl
 from apsup.store.storage import DESCRIBE, storage_error_kind
 from apsup.supervisor.exits import ExitFacts, asks_acknowledgment, classify
 from apsup.supervisor.operator_controls import OperatorControls
+from apsup.supervisor.request_ages import RequestAges
 from apsup.workers.exit_codes import STORAGE_EXIT_CODES, STORAGE_EXITS, ExitCode
 from apsup.workers.invoke import TARGET
 from apsup.workers.pool import WorkerExit, WorkerPool
@@ -232,6 +233,8 @@ class Supervisor:
         #: The replica this Supervisor is handing its term to (dedicated scale-out,
         #: ``apsup.supervisor.placement``): it admits nothing new while its Workers finish.
         self.handing_off: str | None = None
+        #: When this term first saw each unacknowledged request (``request_ages``).
+        self.request_ages = RequestAges()
 
     # -- time ------------------------------------------------------------------------------
     def sync_clock(self, measured: tuple[datetime, float] | None = None) -> None:
@@ -267,6 +270,7 @@ class Supervisor:
         self.term = term
         self.core = None
         self.handing_off = None
+        self.request_ages.clear()
         self.reconciling.clear()
         self.establish_error = None
         self.establish_failures = 0
@@ -428,6 +432,7 @@ class Supervisor:
         )
         self.term = None
         self.handing_off = None
+        self.request_ages.clear()
         if self.core is not None:
             self.core.on_lease_lost()
         self.core = None
@@ -564,6 +569,9 @@ class Supervisor:
                     failed_after=self.core_since,
                 )
             self.hooks.observe_discovery(d.family, time.perf_counter() - t0)
+            seen_at = time.monotonic()
+            for scope_id, _ in rows2:
+                self.request_ages.seen(d.family, scope_id, seen_at)
             core.on_request_page(
                 d.family, [RequestRow(s, seq) for s, seq in rows2], len(rows2) < d.limit
             )
@@ -579,8 +587,10 @@ class Supervisor:
         row = self._dispatch_row(fam, d.scope_id, core)
         if row is None or row.handled_generation >= row.requested_generation:
             # handled >= G: acknowledge completion without running (RFC §5).
+            self.request_ages.handled(d.family, d.scope_id)
             core.on_dispatched(d.family, d.scope_id, False, token=d.token)
             return
+        self.request_ages.seen(d.family, d.scope_id, time.monotonic())
         if not self.lease_valid():  # the deadline passed during the read: launch nothing
             self.lose_leadership("renew deadline passed")  # the core (and this dispatch) go
             return
@@ -842,6 +852,8 @@ class Supervisor:
             return
         self.unclassified.pop(ex.worker_id, None)
         del self.running[ex.worker_id]
+        if handled and self.term is not None and self.term.generation == inv.term_generation:
+            self.request_ages.handled(fam.name, inv.scope_id, inv.started if more else None)
         stale = ex.vouched and ex.exitcode == ExitCode.STALE_TERM and not ex.timed_out
         term_valid = (
             stale
