@@ -41,8 +41,10 @@ from apsup.store.schema import intents as intents_table
 pytestmark = pytest.mark.timeout(120)
 
 FRAMEWORK_TABLES = set(metadata.tables)
-#: Added by apsup_0007 (operator and failure state), absent at apsup_0001.
+#: Added by apsup_0007 (operator and failure state) and apsup_0008 (activity per minute),
+#: absent at apsup_0001.
 OPERATOR_TABLES = {
+    "pc_artifact_processing_family_minutes",
     "pc_artifact_processing_scope_states",
     "pc_artifact_processing_family_controls",
     "pc_artifact_processing_replicas",

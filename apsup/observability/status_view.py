@@ -52,9 +52,10 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from apsup.errors import ConfigError
+from apsup.observability.console import CHART_MINUTES
 from apsup.observability.logging import exception_message, redact, register_dsn
 from apsup.observability.status import StatusSnapshot, evaluate_readiness
-from apsup.store import backend_kind, membership, open_backend, operator_state, redact_url
+from apsup.store import activity, backend_kind, membership, open_backend, operator_state, redact_url
 from apsup.store import intents as intent_store
 from apsup.store import scans as scan_store
 from apsup.store.leases import GLOBAL_KEY, INVALIDATED, LeaseRow, all_leases, dedicated_key
@@ -155,6 +156,8 @@ class DbFamily:
     failing_count: int = 0
     failing: tuple[operator_state.ScopeState, ...] = ()
     parked_count: int = 0
+    #: [minute, succeeded, failed] of the last hour from the activity table (elected backends).
+    history: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -197,6 +200,8 @@ def read_database(backend: Any, extra_bindings: Iterable[str] = ()) -> DbView:
             if extra not in names and len(names) < MAX_FAMILIES:
                 names.append(extra)
         controls = operator_state.controls(conn, names)
+        since = activity.epoch_minute(now) - CHART_MINUTES + 1
+        minutes = activity.recent(conn, names, since)
         families = {
             name: DbFamily(
                 binding=name,
@@ -207,6 +212,7 @@ def read_database(backend: Any, extra_bindings: Iterable[str] = ()) -> DbView:
                 failing_count=operator_state.failing_count(conn, name),
                 failing=tuple(operator_state.failing(conn, name, FAILING_LIMIT)),
                 parked_count=operator_state.parked_count(conn, name),
+                history=tuple((m, ok, bad) for m, ok, bad in minutes.get(name, ())),
             )
             for name in sorted(names)
         }
@@ -550,7 +556,7 @@ def build_view(
             if dbf
             else list((mem or {}).get("failing", [])),
             "running_scopes": list(mem.get("running_scopes") or []) if mem else [],
-            "history": list(mem.get("history") or []) if mem else [],
+            "history": _history(dbf.history if dbf else (), mem.get("history") if mem else None),
             "supervisor_key": sup.get("key") if sup else None,
             "host_is_leader": bool(sup.get("leader")) if sup else None,
             "leader": None if lease is None else _lease_json(lease, now),
@@ -564,6 +570,20 @@ def build_view(
         "replicas": [],  # the cluster view fills them in (``cluster.replicas``)
         "truncated": db.truncated,
     }
+
+
+def _history(
+    durable: Sequence[Sequence[int]], live: Sequence[Sequence[int]] | None
+) -> list[list[int]]:
+    """The chart's minutes: the activity table (every leader's counts, across takeovers) and
+    the leader's own memory (its last seconds, not written yet; the only source on SQLite),
+    the larger count of each minute."""
+    merged: dict[int, list[int]] = {}
+    for source in (durable, live or ()):
+        for minute, ok, bad in source:
+            have = merged.setdefault(int(minute), [int(minute), 0, 0])
+            have[1], have[2] = max(have[1], int(ok)), max(have[2], int(bad))
+    return [merged[m] for m in sorted(merged)]
 
 
 # --- text ------------------------------------------------------------------------------------

@@ -184,4 +184,15 @@ replicas = Table(
     Column("last_seen", Timestamp, nullable=False),
 )
 
+#: Invocations per family and minute (succeeded, failed), added by whichever leader saw them
+#: (revision apsup_0008): the console's chart of the last hour survives a takeover.
+family_minutes = Table(
+    "pc_artifact_processing_family_minutes",
+    metadata,
+    Column("binding_name", Identifier(BINDING_LENGTH), primary_key=True),
+    Column("minute", BigInteger, primary_key=True),  # minutes since the epoch, database time
+    Column("succeeded", BigInteger, nullable=False, server_default=text("0")),
+    Column("failed", BigInteger, nullable=False, server_default=text("0")),
+)
+
 PENDING_SEQUENCE_COUNTER = "pending_sequence"

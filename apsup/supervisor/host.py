@@ -28,6 +28,7 @@ from apsup.observability.logging import error_fields, exception_message
 from apsup.scheduling import Backoff
 from apsup.store import SqlBackend, intents, membership, operator_state
 from apsup.store.leases import ModeConflictError, Term, new_holder_id
+from apsup.supervisor.activity_recorder import ActivityRecorder
 from apsup.supervisor.control import ALL, ControlChannel
 from apsup.supervisor.drain import classify_kept, drain
 from apsup.supervisor.lease_keeper import LeaseKeeper, default_renew_deadline
@@ -171,6 +172,8 @@ class Host:
         self.member: membership.Member | None = None
         self._next_member = 0.0
         self._member_refreshes = 0
+        #: Elected backends: the per-minute activity every replica's chart reads.
+        self.activity = ActivityRecorder(backend) if self.elected else None
         #: Dedicated mode with several replicas: which replica should lead each key, and the
         #: graceful handover of the keys this host should not hold (``placement``); set by the
         #: runtime. None: claim whenever a Lease is free (global mode, SQLite).
@@ -502,6 +505,10 @@ class Host:
         if self._member_refreshes % membership.PRUNE_EVERY == 0:
             self._prune_membership()
 
+    def _record_activity(self) -> None:
+        if self.activity is not None:
+            self.activity.record(self.supervisors)
+
     def _prune_membership(self) -> None:
         """Delete rows of processes gone for longer than ``membership.GONE_KEPT_SECONDS``
         (every replica does it now and then; the delete is idempotent)."""
@@ -601,6 +608,8 @@ class Host:
             self._guarded("poll", self._poll_requests)  # requests committed by other processes
         self._guarded("lease", self._maintain_leases)
         self._guarded("membership", self._refresh_membership)
+        if self.activity is not None and self.activity.due(time.monotonic()):
+            self._guarded("activity", self._record_activity)
         self._guarded("establish", self._establish)
         if self.balancer is not None:
             self._guarded("placement", self._rebalance)
@@ -888,6 +897,8 @@ class Host:
             for sup in self.supervisors:
                 if sup.owns(ex.worker_id):
                     sup.on_exit(ex)
+        if self.activity is not None:  # the last seconds' counts, before the terms go
+            self._guarded("activity", self._record_activity)
         for sup, term in terms:
             if term is not None:
                 try:
