@@ -351,6 +351,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="per-family view: capacity, ready, retry-wait, requests")
     with_db(p)
     p.add_argument("--url", help="status endpoint of the running host (http://127.0.0.1:PORT)")
+    p.add_argument(
+        "--token-file",
+        help="file holding the replicas' console token, for --url beyond loopback "
+        "(default: CONSOLE_TOKEN_FILE / CONSOLE_TOKEN of the environment)",
+    )
     p.add_argument("--once", action="store_true", help="print once and exit")
     p.add_argument("--json", action="store_true", help="print JSON once and exit")
     p.add_argument("--interval", type=float, default=1.0)

@@ -491,6 +491,18 @@ class Settings:
             raise InvalidSettings(r.problems)
         return url
 
+    @staticmethod
+    def console_token_from_env(
+        env: Mapping[str, str] | None = None, prefix: str = DEFAULT_PREFIX
+    ) -> str | None:
+        """Only the console credential (``CONSOLE_TOKEN_FILE`` / ``CONSOLE_TOKEN``, checked as
+        in ``load``), for ``apsup status --url`` against a replica that asks for one."""
+        r = _Reader(os.environ if env is None else env, prefix)
+        token = _console_token(r)
+        if r.problems:
+            raise InvalidSettings(r.problems)
+        return token
+
     # -- views ------------------------------------------------------------------------------------
     def supervisor_keys(self) -> list[str]:
         """The Lease keys this mode organises: one ``global``, or one per family (RFC §8)."""

@@ -233,3 +233,68 @@ def test_beyond_loopback_the_console_needs_the_credential(
     code, _, body = plain.respond("/scope", "", {"family": "scope-pages", "id": "alpha.1"}, far)
     assert code == 403 and b"CONSOLE_TOKEN_FILE" in body and b"alpha.1" not in body
     assert plain.respond("/metrics", "", {}, far)[0] == 404  # (no registry here) not refused
+
+
+def _outward_address() -> str | None:
+    """This machine's first non-loopback IPv4 address (a client connecting to it is not a
+    loopback client), or None."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks a route
+            address = str(s.getsockname()[0])
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address
+
+
+def test_status_url_sends_the_console_token_beyond_loopback(
+    backend: Any, db_url: str, tmp_path: Any
+) -> None:
+    """``apsup status --url`` of a replica reached beyond loopback: refused without the
+    token, with one line saying what to pass; with ``--token-file`` (or the replicas' own
+    CONSOLE_TOKEN_FILE in the environment) it prints the cluster view."""
+    import os
+    import subprocess
+    import sys
+
+    import orjson
+
+    from apsup.config import DEFAULT_PREFIX
+    from apsup.observability.console_auth import ConsoleAuth
+
+    address = _outward_address()
+    if address is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    with backend.transaction() as conn:
+        scope_pages.request(conn, "alpha.1")
+    cluster = ClusterProvider(backend, db_url, lease_seconds=15.0)
+    server = HealthServer(status=_snapshot, cluster=cluster, auth=ConsoleAuth(TOKEN),
+                          host=address)  # fmt: skip
+    server.start()
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(DEFAULT_PREFIX)}
+
+    def status(*extra: str, **more_env: str) -> subprocess.CompletedProcess[str]:
+        url = f"http://{address}:{server.port}"
+        return subprocess.run(
+            [sys.executable, "-m", "apsup.cli", "status", "--url", url, "--json", *extra],
+            capture_output=True, text=True, timeout=60, env={**env, **more_env},
+        )  # fmt: skip
+
+    try:
+        refused = status()
+        assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
+        assert "HTTP 401" in refused.stderr and "--token-file" in refused.stderr
+        shown = status("--token-file", str(token_file))
+        assert shown.returncode == 0, shown.stderr
+        assert scope_pages.binding_name in orjson.loads(shown.stdout)["families"]
+        from_env = status(**{DEFAULT_PREFIX + "CONSOLE_TOKEN_FILE": str(token_file)})
+        assert from_env.returncode == 0, from_env.stderr
+        bad = status("--token-file", str(tmp_path / "missing"))
+        assert bad.returncode == 2 and bad.stderr.startswith("apsup status: --token-file: ")
+        assert TOKEN not in refused.stderr + shown.stderr + bad.stderr
+    finally:
+        server.stop()

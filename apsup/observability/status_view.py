@@ -801,16 +801,23 @@ def _collect(backend: Any, db_url: str, host_url: str | None) -> dict[str, Any]:
     )
 
 
-def fetch_cluster(url: str, timeout: float = HOST_TIMEOUT * 3) -> dict[str, Any]:
+def fetch_cluster(
+    url: str, timeout: float = HOST_TIMEOUT * 3, token: str | None = None
+) -> dict[str, Any]:
     """A replica's cluster view (``/cluster``), for ``apsup status --url`` without ``--db``:
-    the replica reads the database, so the operator needs no credentials for it."""
+    the replica reads the database, so the operator needs no database credentials for it.
+    ``token``: the console token, sent as a Bearer credential (a replica answers a client
+    beyond loopback only with it)."""
     parts = urllib.parse.urlsplit(url)
     endpoint = urllib.parse.urlunsplit(
         (parts.scheme, parts.netloc, parts.path.rstrip("/") + "/cluster", "", "")
     )
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    request = urllib.request.Request(endpoint)
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
     try:
-        with opener.open(endpoint, timeout=timeout) as resp:
+        with opener.open(request, timeout=timeout) as resp:
             doc = orjson.loads(resp.read(8 * 1024 * 1024))
     except urllib.error.HTTPError as exc:
         detail = ""
@@ -819,7 +826,11 @@ def fetch_cluster(url: str, timeout: float = HOST_TIMEOUT * 3) -> dict[str, Any]
         raise StatusUnavailable(
             f"{display_url(url)} answered HTTP {exc.code} for /cluster"
             + (f": {redact(detail)[:200]}" if detail else "")
-            + " (an apsup listener of this version serves it; or pass --db URL)",
+            + (
+                " (pass --token-file with the replicas' console token, or --db URL)"
+                if exc.code in (401, 403)
+                else " (an apsup listener of this version serves it; or pass --db URL)"
+            ),
             EXIT_UNREADABLE,
         ) from None
     except (OSError, orjson.JSONDecodeError) as exc:
@@ -926,7 +937,25 @@ def _remote(
     interval = float(args.interval)
     if not (args.once or args.json or interval > 0):
         return _fail(f"--interval must be > 0 seconds, got {interval:g}", EXIT_MISSING, err)
-    return _show(lambda: fetch_cluster(args.url), "", args, interval, out, err, sleep)
+    try:
+        token = _token(getattr(args, "token_file", None))
+    except ConfigError as exc:
+        return _fail(str(exc), EXIT_MISSING, err)
+    return _show(lambda: fetch_cluster(args.url, token=token), "", args, interval, out, err, sleep)
+
+
+def _token(path: str | None) -> str | None:
+    """The console token: ``--token-file``, else the replicas' own configuration."""
+    from apsup.config import DEFAULT_PREFIX, Settings
+
+    if path is None:
+        return Settings.console_token_from_env()
+    name = DEFAULT_PREFIX + "CONSOLE_TOKEN_FILE"
+    try:
+        return Settings.console_token_from_env({name: path})
+    except ConfigError as exc:
+        problems = getattr(exc, "problems", None) or [str(exc)]
+        raise ConfigError("; ".join(problems).replace(name, "--token-file")) from None
 
 
 def _show(
