@@ -5,7 +5,9 @@ the background replicas' family processes. Each replica's ``/cluster``, its cons
 ``apsup status`` (``--url`` alone, and ``--db``) must show every family with its leader by
 replica name and the leader's live figures, and the failing Scope of a family that replica
 does not lead, with its error redacted. Before, a replica showed only what it led itself: the
-api replica's page said "no failing Scope" while one failed every 30 s.
+api replica's page said "no failing Scope" while one failed every 30 s. From the api replica's
+page in a real browser the failing Scope is refused a retry without the console credential and
+retried with it (its leader on another replica runs it again before its backoff).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ PREFIX = "POWERCONTEXT_SERVER_RUNTIME_"
 FAMILIES = ("replica-side", "replica-work")
 HOSTILE = "fail.<script>alert(1)</script>\"'&"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+TOKEN = "cluster-console-token-0123456789"
 
 
 def _get(port: int, path: str) -> Any:
@@ -70,7 +73,15 @@ def _status(args: list[str], env_db: str | None) -> subprocess.CompletedProcess[
 
 def test_every_replica_shows_the_whole_cluster(db_url: str, tmp_path: Path) -> None:
     Cluster.prepare(db_url)
-    c = Cluster(db_url, tmp_path / "c", lease=3.0, renew=1.0, poll=0.5, mode="dedicated")
+    c = Cluster(
+        db_url,
+        tmp_path / "c",
+        lease=3.0,
+        renew=1.0,
+        poll=0.5,
+        mode="dedicated",
+        env={PREFIX + "CONSOLE_TOKEN": TOKEN},
+    )
     try:
         a, b, api = c.start("background"), c.start("background"), c.start("api")
         c.wait_ready(a, b, api)
@@ -122,6 +133,10 @@ def test_every_replica_shows_the_whole_cluster(db_url: str, tmp_path: Path) -> N
         assert "hunter2" not in page
         for name in FAMILIES:
             assert f'data-family="{name}"' in page
+
+        # From the page of the api replica (it leads nothing): refused without a session,
+        # retried with one; the family's leader on another replica carries it out.
+        _browser_retries(f"http://127.0.0.1:{ports[2]}/", c, failing["consecutive_failures"])
 
         # apsup status --url alone (no database URL anywhere): the replica reads it.
         out = _status(["--url", f"http://127.0.0.1:{ports[2]}", "--json"], env_db=None)
@@ -196,6 +211,54 @@ def test_every_replica_shows_the_whole_cluster(db_url: str, tmp_path: Path) -> N
         _browser_shows(f"http://127.0.0.1:{ports[2]}/", victim_name, survivor)
     finally:
         c.close()
+
+
+def _failures(c: Cluster) -> int:
+    from apsup.store import operator_state
+
+    with c.backend.read() as conn:
+        state = operator_state.scope_state(conn, "replica-work", HOSTILE)
+    return 0 if state is None else state.consecutive_failures
+
+
+def _browser_retries(url: str, c: Cluster, failures: int) -> None:
+    """The failing Scope found on the api replica's page, retried from it in a real browser
+    (refused without the credential); its leader runs it again well before its backoff."""
+    if CHROMIUM is None:
+        return  # tests/test_console.py says how to install it; the HTTP checks above ran
+    playwright = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            dialogs: list[str] = []  # the hostile id's alert(1), had it run
+            page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+            page.goto(url)
+            page.get_by_role("link", name=HOSTILE).first.click()
+            page.get_by_text("consecutive failures").wait_for(timeout=10_000)
+            assert page.locator('button[data-action="retry"]').count() == 0
+            status = page.evaluate(
+                """async (scope) => (await fetch("action", {method: "POST",
+                    body: new URLSearchParams({action: "retry", family: "replica-work",
+                    scope: scope, csrf: "x"})})).status""",
+                HOSTILE,
+            )
+            assert status == 403
+            page.get_by_role("link", name="log in to act").click()
+            page.fill('input[name="token"]', TOKEN)
+            page.get_by_role("button", name="Log in").click()
+            page.get_by_text("log out").wait_for(timeout=10_000)
+            page.get_by_role("link", name=HOSTILE).first.click()
+            before = _failures(c)
+            page.locator('button[data-action="retry"]').click()
+            page.get_by_text("retry requested; the leader attempts it").wait_for(timeout=10_000)
+            assert dialogs == []
+            assert "hunter2" not in page.content() and TOKEN not in page.content()
+        finally:
+            browser.close()
+    assert before >= failures >= 1
+    # Its backoff after that many failures is 30 s or more; the retry runs it within a poll.
+    wait_for(lambda: _failures(c) > before, 20, "the retried Scope's next attempt")
 
 
 def _browser_shows(url: str, victim: str, survivor: str) -> None:
