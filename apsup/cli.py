@@ -283,7 +283,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from apsup.observability.status_view import main as status_main
+    from apsup.observability.status_cli import main as status_main
 
     return int(status_main(args))
 

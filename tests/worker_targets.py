@@ -298,7 +298,7 @@ def report_fork(payload: bytes) -> int:
     what the preloaded at-fork probe module (if any) saw run in this process."""
     import threading
 
-    from apsup.workers import zygote
+    from apsup.workers import fork
 
     box: list[int] = []
     thread = threading.Thread(target=lambda: box.append(threading.get_ident()))
@@ -308,7 +308,7 @@ def report_fork(payload: bytes) -> int:
     hook_ran = getattr(probe, "ran_in_child", None)
     _write(
         _args(payload)["path"],
-        f"{zygote.forked_lean} {random.random()!r} {len(box)} {hook_ran} {os.getpid()}",
+        f"{fork.forked_lean} {random.random()!r} {len(box)} {hook_ran} {os.getpid()}",
     )
     return 0
 

@@ -310,9 +310,9 @@ def probe_preload(payload: bytes) -> int:
 def _fork_note() -> str:
     """How the zygote forked this probe (the first line of its report): empty when lean or
     when the platform has no lean fork; else why not, for the host to tell the operator."""
-    from apsup.workers import fork, zygote
+    from apsup.workers import fork
 
-    if zygote.forked_lean is not False or fork._libc_fork is None:
+    if fork.forked_lean is not False or fork._libc_fork is None:
         return ""
     if fork.foreign_hooks:
         hooks = ", ".join(sorted(set(fork.foreign_hooks)))

@@ -38,6 +38,8 @@ _KNOWN_HOOK_MODULES = frozenset({"threading", "random", "logging"})
 
 #: Hooks registered by other modules since :func:`watch_hooks` (their ``__module__``).
 foreign_hooks: list[str] = []
+#: In a Worker: whether the zygote forked it with libc's ``fork()`` (None: not forked by it).
+forked_lean: bool | None = None
 
 
 def _load_libc_fork() -> Callable[[], int] | None:

@@ -59,8 +59,6 @@ _MAX_FDS = 2 + 8
 _ANCILLARY = socket.CMSG_SPACE(_MAX_FDS * 4)
 #: The zygote's command: ``-c`` (not ``-m``, which would run a second copy of this module).
 _BOOT = "import sys; from apsup.workers.zygote import main; main(sys.argv[1:])"
-#: In a Worker: whether the zygote forked it with libc's ``fork()`` (``apsup.workers.fork``).
-forked_lean: bool | None = None
 
 
 # -- host side ----------------------------------------------------------------------------------
@@ -214,8 +212,7 @@ def _recv_launch(channel: socket.socket) -> tuple[bytes, list[int]] | None:
 def _run_child(
     message: bytes, hold_w: int, extra: list[int], unused: list[int], lean: bool
 ) -> NoReturn:
-    global forked_lean
-    forked_lean = lean
+    fork.forked_lean = lean
     code = 1
     try:
         for fd in unused:

@@ -17,6 +17,7 @@ import io
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 import sqlalchemy as sa
@@ -57,11 +58,15 @@ class DatabaseRevision:
         return ", ".join(revs) if revs else "no apsup revision"
 
 
+def migrations_dir() -> Path:
+    import apsup.migrations
+
+    return Path(apsup.migrations.__file__).resolve().parent
+
+
 def alembic_config(url: str | None = None) -> Config:
     """An Alembic Config for apsup's own environment, knowing both branches' revisions."""
     from alembic.config import Config
-
-    from apsup.store import migrations_dir
 
     cfg = Config()
     cfg.set_main_option("script_location", str(migrations_dir()))
@@ -270,7 +275,7 @@ def migrate(
             command.upgrade(cfg, target, sql=True)
         return
 
-    from apsup.store import open_backend
+    from apsup.store.backends import open_backend
 
     backend = open_backend(url, create=True)
     try:
