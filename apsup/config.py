@@ -51,6 +51,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from sqlalchemy.engine import make_url
 
 from apsup.errors import ConfigError
+from apsup.errors import InvalidSettings as InvalidSettings
 from apsup.policy import MAX_INTERVAL_SECONDS, Cron, Disabled, Policy, cron_problem
 from apsup.registry import (
     MAX_TIMEOUT_SECONDS,
@@ -151,20 +152,6 @@ _ALIAS_BY_OLD = {a.old: a for a in ALIASES}
 #: in its own context field).
 _SECRET_RE = re.compile(r"PASSW|SECRET|CREDENTIAL|DSN|COOKIE|(^|_)(TOKEN|KEYS?|URL|URI|AUTH)$")
 _URL_USERINFO_RE = re.compile(r"(?<=://)[^/@\s]*@")
-
-
-class InvalidSettings(ConfigError):
-    """Every configuration problem found at startup, one line each (``problems``)."""
-
-    def __init__(self, problems: list[str]) -> None:
-        self.problems = list(problems)
-        if len(problems) == 1:
-            text = f"invalid configuration: {problems[0]}"
-        else:
-            text = f"invalid configuration ({len(problems)} problems):\n" + "\n".join(
-                f"  - {p}" for p in problems
-            )
-        super().__init__(text)
 
 
 def _show(value: str) -> str:

@@ -73,3 +73,47 @@ class StartupInterrupted(ApsupError):
 
 class HostConflictError(ApsupError):
     """Another host already runs on this SQLite database (multi-process SQLite is unsupported)."""
+
+
+class InvalidSettings(ConfigError):
+    """Every configuration problem found at startup, one line each (``problems``)."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        if len(problems) == 1:
+            text = f"invalid configuration: {problems[0]}"
+        else:
+            text = f"invalid configuration ({len(problems)} problems):\n" + "\n".join(
+                f"  - {p}" for p in problems
+            )
+        super().__init__(text)
+
+
+class ActionRefused(ApsupError, ValueError):
+    """The action cannot be carried out as asked; the message says why."""
+
+
+class StatusUnavailable(ApsupError):
+    """The database cannot be shown; ``code`` is the exit code, the message says what to do."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ModeConflictError(ConfigError):
+    """A term of the other mode is still live: claiming would let two terms commit at once."""
+
+
+class SchemaRevisionError(ConfigError):
+    """The database's apsup schema does not match this code (exit 2; names the fix)."""
+
+
+class UnknownScope(ApsupError, LookupError):
+    """The family has no such Scope (it was never marked dirty nor requested)."""
+
+
+class ForkServerStuck(ApsupError, TimeoutError):
+    """The forkserver did not report a forked pid in time (wedged, or a preload import hangs).
+    The pool has killed it, so no untracked Worker can appear later; the next launch starts a
+    fresh forkserver, and Workers of the killed one become ``"unconfirmed"``."""

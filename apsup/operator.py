@@ -27,15 +27,11 @@ from typing import Any
 
 from sqlalchemy import Connection, select
 
-from apsup.errors import ApsupError
+from apsup.errors import UnknownScope as UnknownScope
 from apsup.registry import Family
 from apsup.store import intents, operator_state
 from apsup.store.intents import check_scope_id
 from apsup.store.schema import intents as intents_table
-
-
-class UnknownScope(ApsupError, LookupError):
-    """The family has no such Scope (it was never marked dirty nor requested)."""
 
 
 @dataclass(frozen=True)

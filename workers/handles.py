@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from apsup.errors import ForkServerStuck as ForkServerStuck
 from apsup.workers.exit_codes import ExitCode, describe
 
 __all__ = ["ForkServerStuck", "StatusPipe", "WorkerExit", "WorkerHandle", "WorkerState"]
@@ -29,12 +30,6 @@ FORKSERVER_EOF_EXITCODE = 255
 STOP_CODES = frozenset(
     {ExitCode.TERMINATED, ExitCode.FORCED_EXIT, ExitCode.KILLED_SIGTERM, ExitCode.KILLED_SIGKILL}
 )
-
-
-class ForkServerStuck(TimeoutError):
-    """The forkserver did not report a forked pid in time (wedged, or a preload import hangs).
-    The pool has killed it, so no untracked Worker can appear later; the next launch starts a
-    fresh forkserver, and Workers of the killed one become ``"unconfirmed"``."""
 
 
 @dataclass(frozen=True, slots=True)

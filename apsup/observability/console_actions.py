@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from apsup import operator
-from apsup.errors import ApsupError
+from apsup.errors import ActionRefused as ActionRefused
 from apsup.registry import Family
 from apsup.store import backend_kind, operator_state
 
@@ -22,10 +22,6 @@ SCOPE_ACTIONS = ("retry", "park", "unpark", "stop")
 FAMILY_ACTIONS = ("pause", "resume", "retry-failing")
 #: Failing Scopes one "retry all failing" retries at most.
 RETRY_ALL_LIMIT = 1000
-
-
-class ActionRefused(ApsupError, ValueError):
-    """The action cannot be carried out as asked; the message says why."""
 
 
 def perform(

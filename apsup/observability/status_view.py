@@ -47,6 +47,7 @@ from sqlalchemy import Connection, func, inspect, select
 from sqlalchemy.exc import DBAPIError
 
 from apsup.errors import ConfigError
+from apsup.errors import StatusUnavailable as StatusUnavailable
 from apsup.observability.console import CHART_MINUTES
 from apsup.observability.logging import exception_message, redact
 from apsup.observability.status import StatusSnapshot, evaluate_readiness
@@ -67,14 +68,6 @@ HOST_TIMEOUT = 2.0
 LIVENESS_TIMEOUT = 30.0
 NO_HOST = "no host status endpoint"
 SCHEMA_TABLES = (intents.name, binding_states.name, leases.name, counters.name)
-
-
-class StatusUnavailable(Exception):
-    """The database cannot be shown; ``code`` is the exit code, the message says what to do."""
-
-    def __init__(self, message: str, code: int) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 # --- time helpers ----------------------------------------------------------------------------

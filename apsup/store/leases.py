@@ -17,7 +17,8 @@ from typing import Protocol, TypeVar
 
 from sqlalchemy import Connection, Engine, bindparam, insert, select, update
 
-from apsup.errors import ConfigError, StaleTermError
+from apsup.errors import ModeConflictError as ModeConflictError
+from apsup.errors import StaleTermError
 from apsup.store.schema import leases
 
 T = TypeVar("T")
@@ -38,10 +39,6 @@ def dedicated_key(family_name: str) -> str:
 def key_mode(key: str) -> str:
     """``global`` for the global key, ``dedicated`` for ``artifact:<family>`` keys."""
     return "global" if key == GLOBAL_KEY else "dedicated"
-
-
-class ModeConflictError(ConfigError):
-    """A term of the other mode is still live: claiming would let two terms commit at once."""
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import sqlalchemy as sa
 
-from apsup.errors import ConfigError
+from apsup.errors import SchemaRevisionError as SchemaRevisionError
 from apsup.migrations import FAMILIES_BRANCH, FRAMEWORK_BRANCH, VERSION_TABLE, version_locations
 
 if TYPE_CHECKING:
@@ -39,10 +39,6 @@ LEGACY_REVISIONS = {
 }
 APP_VERSION_TABLE = "alembic_version"
 _INTENTS = "pc_artifact_processing_intents"
-
-
-class SchemaRevisionError(ConfigError):
-    """The database's apsup schema does not match this code (exit 2; names the fix)."""
 
 
 @dataclass(frozen=True)
