@@ -38,6 +38,7 @@ from apsup.store.schema import (
     intents,
     scope_states,
 )
+from apsup.store.violations import is_duplicate_key
 
 c = intents.c
 
@@ -209,8 +210,8 @@ def _advance(conn: Connection, binding: str, scope_id: str, column: str) -> int:
                             }
                         )
                     )
-            except Exception as exc:  # a concurrent first registration won the insert
-                if "Duplicate" not in str(exc) and "UNIQUE" not in str(exc):
+            except IntegrityError as exc:  # a concurrent first registration won the insert
+                if not is_duplicate_key(exc):
                     raise
                 continue
         value = conn.execute(select(col).where(_key(binding, scope_id))).scalar_one()
@@ -285,7 +286,7 @@ def _advance_many(
     except _Raced:
         pass
     except IntegrityError as exc:  # a concurrent first registration won an insert
-        if "Duplicate" not in str(exc) and "UNIQUE" not in str(exc):
+        if not is_duplicate_key(exc):
             raise
     return {scope_id: _advance(conn, binding, scope_id, column) for scope_id in ordered}
 
