@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import Index, UniqueConstraint, insert, select, text, update
+from sqlalchemy import Boolean, Index, UniqueConstraint, insert, select, text, update
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
 from apsup.errors import IntentError
@@ -85,6 +85,19 @@ def _benign(conn: Any, diff: Any) -> bool:
     return False
 
 
+def _same_boolean_default(conn: Any, diff: Any) -> bool:
+    """A Boolean column's ``DEFAULT false`` reads back as ``'0'`` on MySQL (BOOL is a
+    TINYINT(1)): the same default, not a difference."""
+    if not (isinstance(diff, list) and len(diff) == 1 and diff[0][0] == "modify_default"):
+        return False
+    _, _, table, column, _, existing, wanted = diff[0]
+    if not isinstance(metadata.tables[table].c[column].type, Boolean):
+        return False
+    seen = str(getattr(getattr(existing, "arg", None), "text", existing)).strip("'\"").lower()
+    meant = str(getattr(wanted, "arg", wanted)).strip("'\"").lower()
+    return seen in {"0", "false"} and meant in {"0", "false"}
+
+
 def _schema_diffs(backend: SqlBackend, without: set[str] = frozenset()) -> list[Any]:  # type: ignore[assignment]
     def include_name(name: str | None, type_: str, parent: Any) -> bool:
         return type_ != "table" or (name in FRAMEWORK_TABLES and name not in without)
@@ -100,7 +113,7 @@ def _schema_diffs(backend: SqlBackend, without: set[str] = frozenset()) -> list[
             },
         )
         diffs = compare_metadata(ctx, metadata)
-        real = [d for d in diffs if not _benign(conn, d)]
+        real = [d for d in diffs if not _benign(conn, d) and not _same_boolean_default(conn, d)]
         if conn.dialect.name == "mysql":
             real += _unexpected_mysql_keys(conn)
     return real
@@ -310,3 +323,25 @@ def test_a_host_warns_about_an_existing_file_other_users_can_read(
         assert len(warnings_) == 1
         assert warnings_[0].fix == f"chmod 600 {path}"  # type: ignore[attr-defined]
         assert warnings_[0].mode == "644"  # type: ignore[attr-defined]
+
+
+def test_boolean_defaults_are_booleans_for_every_dialect() -> None:
+    """``DEFAULT 0`` on a BOOLEAN column is refused by PostgreSQL ("default expression is of
+    type integer"): the reference schema and the migrations say ``false``, which SQLite renders
+    as 0 and MySQL stores as 0."""
+    from pathlib import Path
+
+    from sqlalchemy.dialects import postgresql
+    from sqlalchemy.schema import CreateTable
+
+    for table in metadata.tables.values():
+        ddl = str(CreateTable(table).compile(dialect=postgresql.dialect()))
+        for column in table.columns:
+            if isinstance(column.type, Boolean) and column.server_default is not None:
+                line = next(x for x in ddl.splitlines() if x.strip().startswith(column.name))
+                assert "DEFAULT false" in line, (table.name, line)
+    versions = Path(__file__).resolve().parents[1] / "migrations" / "versions"
+    for path in versions.glob("*.py"):
+        for line in path.read_text().splitlines():
+            if "sa.Boolean" in line and "server_default" in line:
+                assert "sa.false()" in line, (path.name, line)

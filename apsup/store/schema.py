@@ -22,6 +22,7 @@ from sqlalchemy import (
     String,
     Table,
     TypeDecorator,
+    false,
     text,
 )
 from sqlalchemy.dialects import mysql
@@ -125,7 +126,7 @@ binding_states = Table(
     Column("binding_name", Identifier(BINDING_LENGTH), primary_key=True),
     Column("last_schedule_checkpoint_at", Timestamp, nullable=True),
     Column("scan_generation", BigInteger, nullable=False, server_default=text("0")),
-    Column("scan_in_progress", Boolean, nullable=False, server_default=text("0")),
+    Column("scan_in_progress", Boolean, nullable=False, server_default=false()),
     Column("scan_upper_pending_sequence", BigInteger, nullable=True),
 )
 
@@ -150,10 +151,10 @@ scope_states = Table(
     Column("last_error", String(400), nullable=True),
     Column("last_failure_at", Timestamp, nullable=True),
     Column("next_attempt_at", Timestamp, nullable=True),
-    Column("parked", Boolean, nullable=False, server_default=text("0")),
+    Column("parked", Boolean, nullable=False, server_default=false()),
     Column("parked_at", Timestamp, nullable=True),
-    Column("retry_requested", Boolean, nullable=False, server_default=text("0")),
-    Column("stop_requested", Boolean, nullable=False, server_default=text("0")),
+    Column("retry_requested", Boolean, nullable=False, server_default=false()),
+    Column("stop_requested", Boolean, nullable=False, server_default=false()),
     Index("ix_scope_states_failing", "binding_name", "consecutive_failures"),
 )
 
@@ -162,7 +163,7 @@ family_controls = Table(
     "pc_artifact_processing_family_controls",
     metadata,
     Column("binding_name", Identifier(BINDING_LENGTH), primary_key=True),
-    Column("paused", Boolean, nullable=False, server_default=text("0")),
+    Column("paused", Boolean, nullable=False, server_default=false()),
     Column("paused_at", Timestamp, nullable=True),
     Column("control_version", BigInteger, nullable=False, server_default=text("0")),
 )

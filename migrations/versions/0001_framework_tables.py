@@ -92,7 +92,7 @@ def upgrade() -> None:
         sa.Column("binding_name", _identifier(128), primary_key=True),
         sa.Column("last_schedule_checkpoint_at", Timestamp, nullable=True),
         sa.Column("scan_generation", sa.BigInteger, nullable=False, server_default=sa.text("0")),
-        sa.Column("scan_in_progress", sa.Boolean, nullable=False, server_default=sa.text("0")),
+        sa.Column("scan_in_progress", sa.Boolean, nullable=False, server_default=sa.false()),
         sa.Column("scan_upper_pending_sequence", sa.BigInteger, nullable=True),
     )
     _create_leases()

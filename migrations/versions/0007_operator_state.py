@@ -47,10 +47,10 @@ def upgrade() -> None:
         sa.Column("last_error", sa.String(400), nullable=True),
         sa.Column("last_failure_at", Timestamp, nullable=True),
         sa.Column("next_attempt_at", Timestamp, nullable=True),
-        sa.Column("parked", sa.Boolean, nullable=False, server_default=sa.text("0")),
+        sa.Column("parked", sa.Boolean, nullable=False, server_default=sa.false()),
         sa.Column("parked_at", Timestamp, nullable=True),
-        sa.Column("retry_requested", sa.Boolean, nullable=False, server_default=sa.text("0")),
-        sa.Column("stop_requested", sa.Boolean, nullable=False, server_default=sa.text("0")),
+        sa.Column("retry_requested", sa.Boolean, nullable=False, server_default=sa.false()),
+        sa.Column("stop_requested", sa.Boolean, nullable=False, server_default=sa.false()),
     )
     op.create_index(
         "ix_scope_states_failing",
@@ -60,7 +60,7 @@ def upgrade() -> None:
     op.create_table(
         "pc_artifact_processing_family_controls",
         sa.Column("binding_name", _identifier(128), primary_key=True),
-        sa.Column("paused", sa.Boolean, nullable=False, server_default=sa.text("0")),
+        sa.Column("paused", sa.Boolean, nullable=False, server_default=sa.false()),
         sa.Column("paused_at", Timestamp, nullable=True),
         sa.Column("control_version", sa.BigInteger, nullable=False, server_default=sa.text("0")),
     )
