@@ -27,8 +27,8 @@ _POOL_NAMES = frozenset(
 
 def __getattr__(name: str) -> Any:
     # The pool (host side, with ``multiprocess``) is imported on first use, not by the zygote
-    # and its Workers, which import this package for the child bootstrap: 3 MB less image
-    # for every fork to copy page tables of.
+    # and its Workers, which import this package for the child bootstrap: less image for every
+    # fork to copy page tables of.
     if name in _POOL_NAMES:
         from apsup.workers import pool
 

@@ -65,8 +65,8 @@ def _load_timer_functions() -> tuple[object, object] | None:
     import (in the forkserver), so arming costs a Worker only four system calls.
 
     Untyped, without ``use_errno``: a Worker makes these calls first thing, when every page
-    ctypes touches is a copy; declared argument types and the errno swap cost it 0.05 ms and
-    ~19 copied pages more. Every argument passed is a ctypes object (``byref``, ``c_void_p``),
+    ctypes touches is a copy; declared argument types and the errno swap would copy more. Every
+    argument passed is a ctypes object (``byref``, ``c_void_p``),
     ``None`` (NULL) or a small int (an ``int`` parameter), so no conversion is needed; errno is
     not read (a failed call only leaves the timer unarmed)."""
     for name in (None, "librt.so.1"):

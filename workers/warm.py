@@ -69,7 +69,7 @@ def warm(url: str) -> None:
     # No connection survives into a forked Worker. ``pool.dispose()`` closes the pooled
     # connections but keeps the pool itself, unlike ``engine.dispose()`` which replaces it: a
     # new pool runs the engine's first-connect work again (dialect initialisation, on SQLite
-    # ``PRAGMA journal_mode=WAL``: 3-5 ms) in every Worker, for facts the forkserver already
+    # ``PRAGMA journal_mode=WAL``) in every Worker, for facts the forkserver already
     # established on this database.
     backend.engine.pool.dispose()
 
@@ -97,7 +97,7 @@ def warm_event_loop(rounds: int = 20) -> None:
     """Run the async Worker's machinery (a new loop, a task, the wrapper's closing coroutine) a
     few times, then close every loop: an ``async def`` processor's Worker then starts from code
     CPython 3.11 has already specialised (its first runs write into the code objects: a copied
-    page each in every Worker), ~0.5 ms CPU and ~150 copied pages less per async invocation.
+    page each in every Worker), so each async invocation copies fewer pages and spends less CPU.
     Nothing survives: each loop is closed (its selector and self-pipe with it) and no executor
     thread is ever started, so the forkserver still has no loop and no thread to fork."""
     import asyncio

@@ -267,8 +267,8 @@ class WorkerLogRelay:
         Worker's ends are returned, to travel with its launch (``WorkerPool.submit(fds=...)``,
         ``attach(streams=...)``), and the caller closes them once sent. Why: a Worker that
         connects its three streams itself (socket, connect, a JSON header each) and a relay
-        that accepts them cost 0.6 ms of the Worker's CPU and more of the host's per
-        invocation. Empty once the relay is closed (the Worker then connects, or logs nowhere).
+        that accepts them cost CPU in the Worker and more in the host, per invocation. Empty once
+        the relay is closed (the Worker then connects, or logs nowhere).
         """
         if self._stop:
             return ()

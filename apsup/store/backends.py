@@ -68,17 +68,17 @@ def connect(url: str) -> Engine:
 
 def worker_preload(url: str, *, asynchronous: bool = True) -> list[str]:
     """Modules a Worker imports to open the backend of ``url`` (apsup backend module, SQLAlchemy
-    dialect, DBAPI driver), for the forkserver to import once instead of every Worker: the
-    SQLite dialect and ``sqlite3`` alone cost 20-40 ms per launch on a 2-core machine.
+    dialect, DBAPI driver), for the forkserver to import once instead of every Worker: importing
+    them is a large part of a fresh Worker's launch otherwise.
 
     ``asynchronous``: also the async engine and driver (``fenced_async``), which only
-    ``async def`` processors use: 5 MB of image that every fork copies page tables for."""
+    ``async def`` processors use: image that every fork copies page tables for."""
     kind = backend_kind(url)
     dialect = make_url(url).get_dialect()
     modules = [f"apsup.store.{kind}", dialect.__module__]
     with contextlib.suppress(ImportError):  # a missing driver: open_backend reports it
         modules.append(dialect.import_dbapi().__name__)
-    # ``fenced_async()`` (async processors): imports only, ~150 ms per Worker otherwise. No loop,
+    # ``fenced_async()`` (async processors): imports only, paid by every Worker otherwise. No loop,
     # connection or thread is created by importing them; those are made in each Worker.
     if not asynchronous:
         return modules

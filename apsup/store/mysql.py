@@ -20,8 +20,8 @@ Dialect facts this module is built on (DESIGN §6, §7):
   and the waiting candidate proceeds. The variable is session-scoped and set once per connection
   before its first such transaction (``SET`` does not open a transaction there).
 - PyMySQL (1.2) tries TLS on every connection that names no TLS option, and builds a fresh
-  ``ssl.create_default_context()`` for it: loading the system CA store costs ~65 ms of CPU per
-  connection, more than the rest of a Worker's invocation. The same context is built once per
+  ``ssl.create_default_context()`` for it: loading the system CA store costs more CPU per
+  connection than the rest of a Worker's invocation. The same context is built once per
   process instead (``_PyMySQLConnection``), and the forkserver builds it while warming the engine,
   so Workers inherit it; the TLS behaviour (attempted, same settings) is unchanged.
 - A new PyMySQL session is set up by one statement: the ``SET NAMES`` PyMySQL sends at connect
@@ -546,7 +546,7 @@ class MysqlBackend(SqlBackend):
         """Close the pooled connections of both engines (each with a goodbye to the server).
 
         The pools are kept, as ``warm.py`` does: ``engine.dispose()`` would also build a new
-        pool, about 0.7 ms of CPU in a Worker about to exit, and make the next connection of a
+        pool, CPU spent in a Worker about to exit, and make the next connection of a
         backend still in use initialise the dialect again. Connections checked out right now
         are not closed, as with ``engine.dispose()``."""
         self.engine.pool.dispose()

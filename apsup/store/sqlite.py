@@ -154,10 +154,10 @@ def _begin_immediate(conn: Connection, busy_timeout: float) -> None:
 
     SQLite's own busy handler sleeps 1, 2, 5, 10 ... up to 100 ms between attempts, so with
     several Workers committing at once a waiter sleeps far longer than the lock is held (a
-    fenced acknowledgment holds it for about a millisecond): with 8 Workers on 2 cores the
-    acknowledgment took 59 ms at p90 and up to 1 s. Here the handler is off while waiting for
-    this one lock, which is polled every 0.1-2 ms instead (p90 28 ms, max 74 ms in the same
-    run), up to the same ``busy_timeout``; the last attempt goes through SQLAlchemy so a
+    fenced acknowledgment holds it very briefly), and the acknowledgment's tail latency grows
+    with the number of Workers. Here the handler is off while waiting for this one lock, which
+    is polled in short jittered steps instead (``_SPIN_FIRST`` growing), up to the same
+    ``busy_timeout``; the last attempt goes through SQLAlchemy so a
     timeout surfaces as the usual ``OperationalError`` ("database is locked"), which callers
     retry or report.
     """
@@ -303,8 +303,8 @@ class SqliteBackend(SqlBackend):
     # -- hot point reads and the Worker wrapper's path: the sqlite3 connection, no SQLAlchemy
     # Core ----------------------------------------------------------------------------------
     # A freshly forked Worker pays SQLAlchemy's per-transaction machinery (connection wrapper,
-    # events, result objects) on copy-on-write pages: 1.8 ms CPU for the duplicate check and
-    # 1.0 ms more for the acknowledgment than the same SQL on the DBAPI connection. One
+    # events, result objects) on copy-on-write pages, more than the same SQL costs on the DBAPI
+    # connection (docs/benchmarks.md, "Measurements behind code choices"). One
     # connection per Worker (``_wrapper_connection``: a processor's own ``ctx.fenced()`` reuses
     # it), same statements, same fence: the write lock taken by BEGIN IMMEDIATE is held from the
     # Lease check through COMMIT.
@@ -337,7 +337,7 @@ class SqliteBackend(SqlBackend):
 
         A fresh Worker opens it directly, set up as the pool's "connect" listener would set up
         any connection: SQLAlchemy's connect and checkout machinery in a just-forked process
-        costs ~0.5 ms and ~140 copied memory pages more than the driver's ``connect`` alone.
+        costs CPU and copied memory pages beyond the driver's ``connect`` alone.
         If the processor uses the engine, the pool adopts this connection as its first one
         (``do_connect``) and from then on the wrapper checks one out of the pool like everyone
         else: one connection per Worker either way. Never one opened by another process (a
