@@ -77,6 +77,7 @@ T = TypeVar("T")
 
 DEFAULT_PREFIX = "POWERCONTEXT_SERVER_RUNTIME_"
 MODES = ("global", "dedicated")
+DEFAULT_LEASE_SECONDS = 15.0
 ROLES = ("all", "api", "background")
 LOG_FORMATS = ("auto", "json", "human")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -370,7 +371,10 @@ class Settings:
         http_port = 0 if port is None else (None if port < 0 else port)
         src("http_port", "HTTP_PORT")
         positive = _number(0, inclusive=False, high=HOUR)
-        lease = r.parse("LEASE_SECONDS", positive, "a number of seconds > 0 and <= 3600") or 15.0
+        lease = (
+            r.parse("LEASE_SECONDS", positive, "a number of seconds > 0 and <= 3600")
+            or DEFAULT_LEASE_SECONDS
+        )
         src("lease_seconds", "LEASE_SECONDS")
         renew = r.parse("RENEW_SECONDS", positive, "a number of seconds > 0 and <= 3600")
         # The host gives a term up at its renew deadline (default two thirds of the lease); a
@@ -477,6 +481,19 @@ class Settings:
         if r.problems:
             raise InvalidSettings(r.problems)
         return url
+
+    @staticmethod
+    def lease_seconds_from_env(
+        env: Mapping[str, str] | None = None, prefix: str = DEFAULT_PREFIX
+    ) -> float:
+        """Only ``LEASE_SECONDS`` (default and checks as in ``load``), for tools that judge
+        membership rows by the replicas' Lease."""
+        r = _Reader(os.environ if env is None else env, prefix)
+        positive = _number(0, inclusive=False, high=HOUR)
+        lease = r.parse("LEASE_SECONDS", positive, "a number of seconds > 0 and <= 3600")
+        if r.problems:
+            raise InvalidSettings(r.problems)
+        return lease or DEFAULT_LEASE_SECONDS
 
     @staticmethod
     def console_token_from_env(

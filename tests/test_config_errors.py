@@ -473,3 +473,21 @@ def test_the_console_credential_is_checked_and_never_quoted(tmp_path: Path) -> N
     assert "cannot read" in fails(CONSOLE_TOKEN_FILE=str(tmp_path / "missing"))
     both = fails(CONSOLE_TOKEN_FILE=str(token), CONSOLE_TOKEN="s3cret-console-token-0123456789")
     assert "not both" in both
+
+
+def test_tools_read_the_lease_and_console_token_through_the_catalogue(tmp_path) -> None:
+    """``apsup status`` judges membership rows by the replicas' Lease and sends their console
+    token: both read through the configuration, with its checks and its messages."""
+    from apsup.config import DEFAULT_PREFIX, InvalidSettings, Settings
+
+    lease = DEFAULT_PREFIX + "LEASE_SECONDS"
+    assert Settings.lease_seconds_from_env({}) == 15.0
+    assert Settings.lease_seconds_from_env({lease: "4.5"}) == 4.5
+    with pytest.raises(InvalidSettings, match="LEASE_SECONDS: expected a number of seconds"):
+        Settings.lease_seconds_from_env({lease: "soon"})
+    token = tmp_path / "token"
+    token.write_text("t" * 20 + "\n")
+    assert Settings.console_token_from_env({DEFAULT_PREFIX + "CONSOLE_TOKEN_FILE": str(token)})
+    assert Settings.console_token_from_env({}) is None
+    with pytest.raises(InvalidSettings, match="at least 16 characters"):
+        Settings.console_token_from_env({DEFAULT_PREFIX + "CONSOLE_TOKEN": "short"})

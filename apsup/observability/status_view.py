@@ -212,13 +212,12 @@ def read_database(backend: Any, extra_bindings: Iterable[str] = ()) -> DbView:
 def lease_seconds_from_env() -> float:
     """The Lease the replicas run with (``LEASE_SECONDS`` here, else the default 15 s): a
     membership row older than that belongs to a process that is gone."""
-    from apsup.config import DEFAULT_PREFIX
+    from apsup.config import DEFAULT_LEASE_SECONDS, Settings
 
     try:
-        value = float(os.environ.get(DEFAULT_PREFIX + "LEASE_SECONDS", "") or 15.0)
-    except ValueError:
-        value = 15.0
-    return value if value > 0 else 15.0
+        return Settings.lease_seconds_from_env()
+    except ConfigError:  # the replicas refuse to start with it: judge by the default
+        return DEFAULT_LEASE_SECONDS
 
 
 def member_listener(db_url: str) -> str | None:
