@@ -122,7 +122,7 @@ def test_fresh_database_is_a_noop(db_url: str) -> None:
 def test_fire_before_next_run() -> None:
     import importlib.util
 
-    from apsup.store import migrations_dir
+    from apsup.store.revision import migrations_dir
 
     spec = importlib.util.spec_from_file_location(
         "m0004", migrations_dir() / "families" / "0004_profile_from_apscheduler.py"
