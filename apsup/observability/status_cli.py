@@ -133,8 +133,12 @@ def main(
     """``apsup status``; ``args`` has ``db``, ``url``, ``once``, ``json``, ``interval``."""
     out = out or sys.stdout
     err = err or sys.stderr
+    problem = _bad_arguments(args)
+    if problem is not None:
+        return _fail(problem, EXIT_MISSING, err)
+    interval = float(args.interval)
     if args.url and not args.db:  # the replica reads the database for us
-        return _remote(args, out, err, sleep)
+        return _remote(args, interval, out, err, sleep)
     if args.db:
         db_url = str(args.db)
     else:
@@ -147,18 +151,6 @@ def main(
     host_url = args.url or discover_url() or local_listener(db_url)
     if host_url is None and backend_kind(db_url) == "mysql":
         host_url = member_listener(db_url)  # a replica's row names its listener
-    if args.url:
-        scheme = urllib.parse.urlsplit(args.url).scheme
-        if scheme not in ("http", "https"):
-            return _fail(
-                f"--url must be the host's HTTP endpoint, e.g. http://127.0.0.1:8080 "
-                f"(got {display_url(args.url)})",
-                EXIT_MISSING,
-                err,
-            )
-    interval = float(args.interval)
-    if not (args.once or args.json or interval > 0):
-        return _fail(f"--interval must be > 0 seconds, got {interval:g}", EXIT_MISSING, err)
     try:
         backend = open_checked(db_url)
     except StatusUnavailable as exc:
@@ -193,21 +185,27 @@ def _run(
     )
 
 
-def _remote(
-    args: argparse.Namespace, out: TextIO, err: TextIO, sleep: Callable[[float], None]
-) -> int:
-    """``apsup status --url`` alone: render the replica's ``/cluster``."""
-    scheme = urllib.parse.urlsplit(args.url).scheme
-    if scheme not in ("http", "https"):
-        return _fail(
-            f"--url must be a replica's HTTP endpoint, e.g. http://127.0.0.1:8080 "
-            f"(got {display_url(args.url)})",
-            EXIT_MISSING,
-            err,
+def _bad_arguments(args: argparse.Namespace) -> str | None:
+    """What to change in the arguments (checked before anything is read), or None."""
+    if args.url and urllib.parse.urlsplit(args.url).scheme not in ("http", "https"):
+        return (
+            "--url must be a replica's HTTP endpoint, e.g. http://127.0.0.1:8080 "
+            f"(got {display_url(args.url)})"
         )
     interval = float(args.interval)
     if not (args.once or args.json or interval > 0):
-        return _fail(f"--interval must be > 0 seconds, got {interval:g}", EXIT_MISSING, err)
+        return f"--interval must be > 0 seconds, got {interval:g}"
+    return None
+
+
+def _remote(
+    args: argparse.Namespace,
+    interval: float,
+    out: TextIO,
+    err: TextIO,
+    sleep: Callable[[float], None],
+) -> int:
+    """``apsup status --url`` alone: render the replica's ``/cluster``."""
     try:
         token = _token(getattr(args, "token_file", None))
     except ConfigError as exc:
