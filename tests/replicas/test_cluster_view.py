@@ -12,6 +12,7 @@ retried with it (its leader on another replica runs it again before its backoff)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -221,41 +223,51 @@ def _failures(c: Cluster) -> int:
     return 0 if state is None else state.consecutive_failures
 
 
-def _browser_retries(url: str, c: Cluster, failures: int) -> None:
-    """The failing Scope found on the api replica's page, retried from it in a real browser
-    (refused without the credential); its leader runs it again well before its backoff."""
+@contextlib.contextmanager
+def _browser_page() -> Iterator[Any]:
+    """A page of headless Chromium at 1400x900, or None without Chromium (tests/test_console.py
+    says how to install it; the HTTP checks of the test ran regardless)."""
     if CHROMIUM is None:
-        return  # tests/test_console.py says how to install it; the HTTP checks above ran
+        yield None
+        return
     playwright = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
     with playwright.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 900})
-            dialogs: list[str] = []  # the hostile id's alert(1), had it run
-            page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
-            page.goto(url)
-            page.get_by_role("link", name=HOSTILE).first.click()
-            page.get_by_text("consecutive failures").wait_for(timeout=10_000)
-            assert page.locator('button[data-action="retry"]').count() == 0
-            status = page.evaluate(
-                """async (scope) => (await fetch("action", {method: "POST",
-                    body: new URLSearchParams({action: "retry", family: "replica-work",
-                    scope: scope, csrf: "x"})})).status""",
-                HOSTILE,
-            )
-            assert status == 403
-            page.get_by_role("link", name="log in to act").click()
-            page.fill('input[name="token"]', TOKEN)
-            page.get_by_role("button", name="Log in").click()
-            page.get_by_text("log out").wait_for(timeout=10_000)
-            page.get_by_role("link", name=HOSTILE).first.click()
-            before = _failures(c)
-            page.locator('button[data-action="retry"]').click()
-            page.get_by_text("retry requested; the leader attempts it").wait_for(timeout=10_000)
-            assert dialogs == []
-            assert "hunter2" not in page.content() and TOKEN not in page.content()
+            yield browser.new_page(viewport={"width": 1400, "height": 900})
         finally:
             browser.close()
+
+
+def _browser_retries(url: str, c: Cluster, failures: int) -> None:
+    """The failing Scope found on the api replica's page, retried from it in a real browser
+    (refused without the credential); its leader runs it again well before its backoff."""
+    with _browser_page() as page:
+        if page is None:
+            return
+        dialogs: list[str] = []  # the hostile id's alert(1), had it run
+        page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+        page.goto(url)
+        page.get_by_role("link", name=HOSTILE).first.click()
+        page.get_by_text("consecutive failures").wait_for(timeout=10_000)
+        assert page.locator('button[data-action="retry"]').count() == 0
+        status = page.evaluate(
+            """async (scope) => (await fetch("action", {method: "POST",
+                body: new URLSearchParams({action: "retry", family: "replica-work",
+                scope: scope, csrf: "x"})})).status""",
+            HOSTILE,
+        )
+        assert status == 403
+        page.get_by_role("link", name="log in to act").click()
+        page.fill('input[name="token"]', TOKEN)
+        page.get_by_role("button", name="Log in").click()
+        page.get_by_text("log out").wait_for(timeout=10_000)
+        page.get_by_role("link", name=HOSTILE).first.click()
+        before = _failures(c)
+        page.locator('button[data-action="retry"]').click()
+        page.get_by_text("retry requested; the leader attempts it").wait_for(timeout=10_000)
+        assert dialogs == []
+        assert "hunter2" not in page.content() and TOKEN not in page.content()
     assert before >= failures >= 1
     # Its backoff after that many failures is 30 s or more; the retry runs it within a poll.
     wait_for(lambda: _failures(c) > before, 20, "the retried Scope's next attempt")
@@ -263,22 +275,16 @@ def _browser_retries(url: str, c: Cluster, failures: int) -> None:
 
 def _browser_shows(url: str, victim: str, survivor: str) -> None:
     """The api replica's page in a real browser: the takeover event and the gone replica."""
-    if CHROMIUM is None:
-        return  # tests/test_console.py says how to install it; the HTTP checks above ran
-    playwright = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
-    with playwright.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 900})
-            page.goto(url)
-            events = page.locator("table.events")
-            events.locator("tr", has_text="artifact:replica-work").first.wait_for(timeout=10_000)
-            row = events.locator("tr", has_text="artifact:replica-work").first.inner_text()
-            assert victim in row and survivor in row, row
-            assert any(why in row for why in ("takeover", "step-down", "handoff")), row
-            replicas = page.locator("table.replicas").inner_text()
-            assert "gone since" in replicas, replicas
-            assert "degraded" in page.locator("section.summary").inner_text()
-            assert "hunter2" not in page.content()
-        finally:
-            browser.close()
+    with _browser_page() as page:
+        if page is None:
+            return
+        page.goto(url)
+        events = page.locator("table.events")
+        events.locator("tr", has_text="artifact:replica-work").first.wait_for(timeout=10_000)
+        row = events.locator("tr", has_text="artifact:replica-work").first.inner_text()
+        assert victim in row and survivor in row, row
+        assert any(why in row for why in ("takeover", "step-down", "handoff")), row
+        replicas = page.locator("table.replicas").inner_text()
+        assert "gone since" in replicas, replicas
+        assert "degraded" in page.locator("section.summary").inner_text()
+        assert "hunter2" not in page.content()
