@@ -16,6 +16,7 @@ from sqlalchemy import Connection, delete, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from apsup.store.schema import family_minutes
+from apsup.store.violations import is_duplicate_key
 
 c = family_minutes.c
 
@@ -46,8 +47,10 @@ def add(conn: Connection, counts: Mapping[tuple[str, int], tuple[int, int]]) -> 
                         binding_name=binding, minute=minute, succeeded=ok, failed=bad
                     )
                 )
-        except IntegrityError:  # another leader created the row meanwhile: add to it
-            conn.execute(grow)
+        except IntegrityError as exc:
+            if not is_duplicate_key(exc):
+                raise
+            conn.execute(grow)  # another leader created the row meanwhile: add to it
 
 
 def recent(
