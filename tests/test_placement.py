@@ -141,3 +141,27 @@ def test_replica_id_setting_is_checked_and_reported() -> None:
     assert Settings.load(Registry(), env={}).replica_id is None
     with pytest.raises(ConfigError, match="REPLICA_ID"):
         Settings.load(Registry(), env={prefix + "REPLICA_ID": "has space"})
+
+
+def test_a_replica_whose_lease_ran_out_is_no_candidate_until_it_is_seen_again() -> None:
+    """Killed replicas keep live rows for two Leases: the survivor that took a family of one must
+    not hand it back to it meanwhile (it moved twice after a kill in the scale-out test)."""
+    placed = assign(["w", "x", "y", "z"], ["a", "b"])
+    fam = next(f for f, r in placed.items() if r == "b")
+    key = f"artifact:{fam}"
+    a = _balancer("a")
+    a.update(_rows(("a", 4, 0), ("b", 4, 1)), NOW, now=100.0)
+    assert a.hand_over_to(key, now=100.0) == "b"  # b alive: the key is b's
+    a.ran_out("b-2")  # a took b's Lease after it ran out unrenewed
+    assert a.view is not None and a.view.replicas == {"a"}
+    assert a.hand_over_to(key, now=100.5) is None
+    # b's rows are still within their margin, but not refreshed since: still no candidate.
+    a.update(_rows(("a", 4, 0), ("b", 4, 1)), NOW + timedelta(seconds=1), now=101.5)
+    assert a.view.replicas == {"a"} and a.hand_over_to(key, now=101.5) is None
+    # b refreshes again (it was cut off, not killed): a candidate again, and the key goes back.
+    a.update(_rows(("a", 4, 0), ("b", 4, 0)), NOW + timedelta(seconds=2), now=102.5)
+    assert a.view.replicas == {"a", "b"} and a.hand_over_to(key, now=102.5) == "b"
+    # This host's own holders, and unknown ones, are never marked.
+    a.ran_out("a-1")
+    a.ran_out("someone")
+    assert a.view.replicas == {"a", "b"}

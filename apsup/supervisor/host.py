@@ -216,7 +216,7 @@ class Host:
             return  # Workers of its previous term are still being stopped: no second Worker
         started = time.monotonic()
         try:
-            term = self._claim_placed(sup.key)
+            term, retry_in = self._claim_placed(sup.key)
         except ModeConflictError as exc:  # stay a candidate; the message says what to do
             log.warning("lease not claimed: %s", exc, extra={"supervisor_key": sup.key})
             return
@@ -228,11 +228,10 @@ class Host:
             with self._calls_until(self.keeper.deadline(sup.key)):
                 sup.become_leader(term)  # never raises: a failed establishment is retried
             return
-        # Held by another replica: try again as soon as that Lease runs out (database time),
-        # not a whole renewal interval later.
-        left = self.backend.held_for.get(sup.key)
-        if left is not None:
-            retry = time.monotonic() + max(0.0, left) + CLAIM_SLACK_SECONDS
+        # Held by another replica: try again as soon as that is useful (database time), not a
+        # whole renewal interval later.
+        if retry_in is not None:
+            retry = time.monotonic() + max(0.0, retry_in) + CLAIM_SLACK_SECONDS
             self._next_renew = min(self._next_renew, retry)
         if self.balancer is not None and self.balancer.should_claim_now(sup.key):
             # The preferred replica of a key another one holds: that one hands it over soon
@@ -240,23 +239,40 @@ class Host:
             retry = time.monotonic() + min(self.lease.poll_seconds, self.lease.renew_seconds)
             self._next_renew = min(self._next_renew, retry)
 
-    def _claim_placed(self, key: str) -> Term | None:
+    def _claim_placed(self, key: str) -> tuple[Term | None, float | None]:
         """``claim_term``, placed: the preferred replica of ``key`` claims a free Lease at
         once, the others only once it has been free for a renewal interval (the preferred one
         had its chance). A Lease found free but within that grace makes this host read the
-        membership again (the free Lease may mean a replica left) and decide anew."""
+        membership again (the free Lease may mean a replica left) and decide anew.
+
+        Returns the term, or None and the seconds after which another attempt is worth it.
+        For a Lease still held that is its expiry, not expiry + grace: a holder that did not
+        renew (killed) is no candidate then, and this host may be the one to claim at once;
+        waiting for the grace too would add a renewal interval to every takeover after a kill.
+        """
         bal = self.balancer
+        lease_seconds = self.lease.lease_seconds
         if bal is None:
-            return self.backend.claim_term(key, self.holder_id, self.lease.lease_seconds)
+            term = self.backend.claim_term(key, self.holder_id, lease_seconds)
+            return term, self.backend.held_for.get(key)
         self._read_placement()
         grace = 0.0 if bal.should_claim_now(key) else self.lease.renew_seconds
-        term = self.backend.claim_term(key, self.holder_id, self.lease.lease_seconds, grace)
+        term = self.backend.claim_term(key, self.holder_id, lease_seconds, grace)
         left = self.backend.held_for.get(key)
-        if term is None and grace and left is not None and left <= grace:
+        if term is None and left is not None and left <= grace and grace:
+            # Ran out, within the grace: the holder may have gone.
             self._read_placement(force=True)
             if bal.should_claim_now(key, self.backend.lapsed_holder.get(key)):
-                term = self.backend.claim_term(key, self.holder_id, self.lease.lease_seconds)
-        return term
+                term = self.backend.claim_term(key, self.holder_id, lease_seconds)
+                left = self.backend.held_for.get(key)
+        if term is not None:
+            lapsed = self.backend.lapsed_holder.get(key)
+            if lapsed is not None:
+                bal.ran_out(lapsed)  # or this host would hand the key back to it
+            return term, None
+        if left is not None and left > grace:  # still held: worth a look once it runs out
+            return None, left - grace
+        return None, left
 
     def _read_placement(self, *, force: bool = False) -> None:
         """Read the membership for placement when the view is due (every half Lease), in one

@@ -83,6 +83,13 @@ class Balancer:
     #: key -> the replica set under which this host handed that key over: not again until the
     #: set changes (a successor that does not take the key cannot make it ping-pong).
     handed_over: dict[str, frozenset[str]] = field(default_factory=dict)
+    #: replica id -> the newest ``last_seen`` of its rows when a Lease of it was found run out
+    #: unrenewed (it was killed or cut off): no candidate until a row of it is seen newer. Its
+    #: rows stay live for ``membership.gone_after`` (two Leases); counting it that long would
+    #: make the survivor that took its family hand the family back to it.
+    lapsed: dict[str, datetime] = field(default_factory=dict)
+    #: replica id -> the newest ``last_seen`` of its rows in the last view read.
+    last_seen: dict[str, datetime] = field(default_factory=dict)
 
     def due(self, now: float) -> bool:
         return self.view is None or now - self.view.read_at >= self.refresh_seconds
@@ -92,11 +99,17 @@ class Balancer:
         per-family processes keeps a live row (all its Supervisors run), so a family is never
         handed to a replica whose process for it is not up yet."""
         live: dict[str, int] = {}
+        seen: dict[str, datetime] = {}
         for m in rows:
             if m.mode == "dedicated" and m.role != "api" and m.alive(db_now, self.lease_seconds):
                 live[m.replica_id] = live.get(m.replica_id, 0) + 1
+            seen[m.replica_id] = max(m.last_seen, seen.get(m.replica_id, m.last_seen))
+        self.last_seen = seen
+        for rep, at in list(self.lapsed.items()):
+            if rep not in seen or seen[rep] > at:  # gone for good, or refreshing again: back
+                del self.lapsed[rep]
         need = len(set(self.families))
-        reps = frozenset(r for r, n in live.items() if n >= need)
+        reps = frozenset(r for r, n in live.items() if n >= need and r not in self.lapsed)
         if self.view is not None and reps != self.view.replicas:
             self.handed_over.clear()  # a new membership: each key may move (once) again
         self.view = View(reps, {m.holder_id: m.replica_id for m in rows}, now)
@@ -137,6 +150,18 @@ class Balancer:
         if self.handed_over.get(key) == self.view.replicas:
             return None
         return target
+
+    def ran_out(self, holder_id: str) -> None:
+        """A Lease of ``holder_id`` was found run out unrenewed (and this host took it): its
+        replica is no candidate until one of its rows is refreshed after what this view saw."""
+        view = self.view
+        rep = None if view is None else view.holders.get(holder_id)
+        if view is None or rep is None or rep == self.replica_id:
+            return
+        self.lapsed[rep] = self.last_seen.get(rep, datetime.min)
+        if rep in view.replicas:
+            self.handed_over.clear()  # a new membership, as ``update`` would see it
+            self.view = View(view.replicas - {rep}, view.holders, view.read_at)
 
     def handed(self, key: str) -> None:
         if self.view is not None:
