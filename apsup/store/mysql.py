@@ -49,34 +49,31 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any, cast
 
-from sqlalchemy import Connection, Engine, create_engine, event, literal_column, text, update
+from sqlalchemy import Connection, Engine, create_engine, event, literal_column, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.engine.default import DefaultDialect
-from sqlalchemy.exc import DBAPIError, DisconnectionError, IntegrityError
+from sqlalchemy.exc import DBAPIError, DisconnectionError
 
 from apsup.errors import (
-    ConfigError,
     DeadlinePassed,
     FencedTransactionTimeout,
     ForeignLock,
     IntentError,
     StaleTermError,
 )
-from apsup.store.base import AckResult, ExitAck, ReadRows, Reads, SqlBackend
+from apsup.store.base import AckResult, ExitAck, ReadRows, Reads
+from apsup.store.elected import (
+    FENCE_TIMEOUT_PARAM,
+    ElectedBackend,
+    fence_timeout,
+)
 from apsup.store.intents import Intent, check_unmoved_acknowledgment
 from apsup.store.leases import (
-    GLOBAL_KEY,
-    INVALIDATED,
     LeaseRow,
     Term,
-    is_live,
-    other_mode_keys,
-    read_lease,
-    refuse_mode_conflict,
-    take_lease,
     validate,
 )
 from apsup.store.limits import DbLimits, parse_limits, strip_limits
@@ -85,12 +82,10 @@ from apsup.store.schema import intents, leases
 #: Errors after which the server has rolled back the whole transaction (not just a statement).
 TRANSACTION_ABORT_CODES = frozenset({1213, 4012, 6002})
 TRANSIENT_CODES = frozenset({1205, 1213, 4012, 6002, 6005, 6213, 6235})
-FENCE_TIMEOUT_SECONDS = 30.0
 #: OceanBase ends a transaction past ``ob_trx_timeout``: the next statement fails with 4012
 #: ("Transaction timeout occurred"), the COMMIT with 6002 ("Transaction rollbacked").
 TRX_TIMEOUT = 4012
 TRX_ROLLED_BACK = 6002
-FENCE_TIMEOUT_PARAM = "apsup_fence_timeout"
 #: Database time in UTC whatever the server's or the session's time zone (naive, microseconds).
 _UTC_NOW = text("SELECT UTC_TIMESTAMP(6)")
 #: The Worker wrapper's statements on the DBAPI connection: the same conditions as
@@ -325,7 +320,7 @@ def _isolation_variable(version: str) -> str:
     return "transaction_isolation" if new_name else "tx_isolation"
 
 
-class MysqlBackend(SqlBackend):
+class MysqlBackend(ElectedBackend):
     name = "mysql"
 
     def __init__(self, url: str, *, control: bool = False) -> None:
@@ -341,13 +336,7 @@ class MysqlBackend(SqlBackend):
                 "write_timeout": limits.read_timeout,
             }
             self.retry_budget = limits.read_timeout
-        raw = u.query.get(FENCE_TIMEOUT_PARAM)
-        try:
-            self.fence_timeout = FENCE_TIMEOUT_SECONDS if raw is None else float(str(raw))
-        except ValueError:
-            raise ConfigError(
-                f"database URL parameter {FENCE_TIMEOUT_PARAM} must be a number of seconds"
-            ) from None
+        self.fence_timeout = fence_timeout(u)
         engine_url = strip_limits(u.difference_update_query([FENCE_TIMEOUT_PARAM]))
         pymysql = engine_url.get_driver_name() == "pymysql"
         #: PyMySQL: each session is set up by one statement sent at connect (``_session_settings``)
@@ -627,19 +616,6 @@ class MysqlBackend(SqlBackend):
 
     def db_time_sql(self) -> Any:
         return literal_column("UTC_TIMESTAMP(6)")
-
-    def now(self) -> datetime:
-        with self.read() as conn:
-            return self._db_now(conn)
-
-    def _lease_expiry(self, conn: Connection, lease_seconds: float) -> datetime | None:
-        return self._db_now(conn) + timedelta(seconds=lease_seconds)
-
-    def _lock_term(self, conn: Connection, term: Term) -> None:
-        self._bound(conn)
-        row = read_lease(conn, term.supervisor_key, for_update=True)
-        # Expiry is evaluated only now that the row lock is held (NOW(6) includes lock wait).
-        validate(row, term, self._db_now(conn))
 
     # -- the Worker wrapper's duplicate check and acknowledgment: PyMySQL on the pooled
     # connection, no SQLAlchemy Core ------------------------------------------------------
@@ -942,98 +918,3 @@ class MysqlBackend(SqlBackend):
         # retry after a COMMIT of unknown outcome is safe here (the acknowledgment is
         # idempotent and fenced again), and a lost connection (2013) is never retried.
         return self._retrying(attempt)
-
-    def claim_term(
-        self, key: str, holder_id: str, lease_seconds: float, free_for: float = 0.0
-    ) -> Term | None:
-        """Take the Lease if it is free or expired; takeover always increments generation.
-
-        ``free_for``: take it only once it has been free (released, or run out) for that many
-        seconds of database time: a replica that is not the preferred leader of the key lets
-        the preferred one claim first (``apsup.supervisor.placement``).
-
-        Refused (``ModeConflictError``) while a term of the other mode is live: a replica started
-        in ``global`` beside running ``dedicated`` ones (or the reverse) would otherwise hold a
-        second valid term over the same Scopes. An expired term of the other mode is no obstacle:
-        its Workers fail their fenced check by expiry.
-        """
-
-        def body(conn: Connection) -> Term | None:
-            self._bound(conn)
-            if key != GLOBAL_KEY:
-                read_lease(conn, GLOBAL_KEY, for_update=True)  # lock order: global row first
-            row = read_lease(conn, key, for_update=True)
-            now = self._db_now(conn)
-            expires = now + timedelta(seconds=lease_seconds)
-            wait = 0.0  # seconds until the Lease has been free for ``free_for``
-            self.lapsed_holder.pop(key, None)
-            if row is not None and row.expires_at is not None:
-                free_since = row.expires_at
-                if row.holder_id == INVALIDATED:
-                    free_since = min(free_since, now)
-                elif free_since <= now:
-                    self.lapsed_holder[key] = row.holder_id  # ran out without a release
-                wait = (free_since - now).total_seconds() + free_for
-            if wait > 0:
-                self.held_for[key] = wait
-                return None
-            self.held_for.pop(key, None)
-            others = other_mode_keys(conn, key, for_update=True)
-            refuse_mode_conflict(key, [r for r in others if is_live(r, now)])
-            return take_lease(conn, key, holder_id, row, expires)
-
-        try:
-            return self.run(body)
-        except IntegrityError:
-            return None  # another candidate inserted the first Lease row concurrently
-
-    def renew_term(self, term: Term, lease_seconds: float) -> bool:
-        def body(conn: Connection) -> bool:
-            self._bound(conn)
-            row = read_lease(conn, term.supervisor_key, for_update=True)
-            now = self._db_now(conn)
-            try:
-                validate(row, term, now)
-            except Exception:
-                return False
-            conn.execute(
-                update(leases)
-                .where(leases.c.supervisor_key == term.supervisor_key)
-                .values(expires_at=now + timedelta(seconds=lease_seconds))
-            )
-            self.renewed_at = (now, time.monotonic())
-            return True
-
-        return self.run(body)
-
-    def release_term(self, term: Term) -> None:
-        """Expire the Lease now so a standby can take over without waiting (no ABA: the next
-        takeover increments generation)."""
-
-        def body(conn: Connection) -> None:
-            self._bound(conn)
-            row = read_lease(conn, term.supervisor_key, for_update=True)
-            if row is None or (row.holder_id, row.generation) != (term.holder_id, term.generation):
-                return
-            conn.execute(
-                update(leases)
-                .where(leases.c.supervisor_key == term.supervisor_key)
-                .values(holder_id=INVALIDATED, expires_at=self._db_now(conn))
-            )
-
-        self.run(body)
-
-
-def bounded_fence_url(url: str, seconds: float) -> str:
-    """``url`` with its fenced transactions bounded by ``seconds`` at most (a bound the URL
-    sets already is kept when it is shorter)."""
-    u = make_url(url)
-    raw = u.query.get(FENCE_TIMEOUT_PARAM)
-    try:
-        current = FENCE_TIMEOUT_SECONDS if raw is None else float(str(raw))
-    except ValueError:
-        return url  # reported by the backend that parses it
-    if 0 < current <= seconds:
-        return url
-    bound = u.update_query_dict({FENCE_TIMEOUT_PARAM: f"{seconds:.3f}"})
-    return bound.render_as_string(hide_password=False)

@@ -23,8 +23,8 @@ from apsup.observability.logging import error_fields
 from apsup.registry import Family
 from apsup.scheduling import Backoff
 from apsup.store import SqlBackend, open_backend, worker_preload
+from apsup.store.elected import bounded_fence_url
 from apsup.store.leases import GLOBAL_KEY, dedicated_key
-from apsup.store.mysql import bounded_fence_url
 from apsup.store.sqlite import database_path, shared_mode
 from apsup.supervisor.control import ControlChannel, HostLock
 from apsup.supervisor.host import Host, LeasePolicy
