@@ -44,6 +44,7 @@ from sqlalchemy import (
     insert,
     select,
     text,
+    true,
     update,
 )
 
@@ -101,7 +102,7 @@ profile_policies = Table(
     "profile_policies",
     metadata,
     Column("scope_id", SCOPE, primary_key=True),
-    Column("enabled", Boolean, nullable=False, server_default=text("1")),
+    Column("enabled", Boolean, nullable=False, server_default=true()),
 )
 
 profile_candidates = Table(

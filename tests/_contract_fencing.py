@@ -124,8 +124,8 @@ def current_term(backend: SqlBackend, key: str = KEY) -> Term:
 
 
 def bump(backend: SqlBackend, holder_id: str, key: str = KEY) -> Term:
-    """A legitimate term replacement: SQLite startup claim; MySQL invalidate + takeover."""
-    if backend.name == "mysql":
+    """A legitimate term replacement: the SQLite startup claim; elsewhere invalidate + take over."""
+    if backend.name != "sqlite":  # elected: invalidate, then take over
         backend.invalidate_terms([key])
         term = backend.claim_term(key, holder_id, 60)
         if term is None:

@@ -25,7 +25,7 @@ from tests import _contract_fencing as fj
 from tests import processor_families as pf
 from tests.test_worker_processes import LIMIT, drive, skew_to_deadline, wait_until
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.backends("sqlite", "mysql", "postgresql")]
 
 
 @pytest.fixture(params=["sync", "async"])

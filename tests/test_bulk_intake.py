@@ -50,7 +50,7 @@ from apsup.store.schema import PENDING_SEQUENCE_COUNTER, counters
 from apsup.store.schema import intents as intents_table
 from apsup.supervisor.control import ControlChannel
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.backends("sqlite", "mysql", "postgresql")]
 
 metadata = MetaData()
 inbox = Table("bulk_intake_inbox", metadata, Column("scope_id", String(255), primary_key=True))
@@ -120,7 +120,7 @@ _op = st.one_of(
 _transactions = st.lists(
     st.tuples(st.lists(_op, min_size=1, max_size=6), st.booleans()), min_size=1, max_size=6
 )
-EXAMPLES = {"sqlite": 60, "mysql": 20}
+EXAMPLES = {"sqlite": 60, "mysql": 20, "postgresql": 20}
 
 
 def test_bulk_and_single_calls_leave_the_same_rows_as_single_calls_only(

@@ -22,7 +22,7 @@ from apsup.store.base import SqlBackend
 from apsup.store.schema import PENDING_SEQUENCE_COUNTER, counters
 from apsup.store.schema import intents as intents_table
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.backends("sqlite", "mysql", "postgresql")]
 
 TABLE = "pc_artifact_processing_intents"
 BINDING = "target"
@@ -111,6 +111,11 @@ def _assert_index_plan(backend: SqlBackend, plan: list[str], index: str, flag: s
         ), text
         assert f"SCAN {TABLE}" not in text, text
         assert "TEMP B-TREE" not in text, text  # order comes from the index, not a sort
+    elif backend.name == "postgresql":
+        # One index scan of the index, limit on top; no sequential scan, no sort.
+        assert re.search(rf"Index (Only )?Scan using {index} on {TABLE}", text), text
+        assert "Seq Scan" not in text and "Sort" not in text, text
+        assert text.lstrip().startswith("Limit"), text
     elif "TABLE RANGE SCAN" in text or "TABLE FULL SCAN" in text or "range_cond" in text:
         # OceanBase: one range scan of the index, limit pushed down, no sort, no full scan.
         assert re.search(rf"\|\s*TABLE RANGE SCAN\s*\|\s*{TABLE}\({index}\)\s*\|", text), text

@@ -15,6 +15,8 @@ from apsup.store import intents
 from apsup.store.schema import intents as intents_table
 from apsup.store.violations import is_duplicate_key
 
+pytestmark = pytest.mark.backends("sqlite", "mysql", "postgresql")
+
 
 def _refused(backend, values: dict) -> DBAPIError:
     # A CHECK violation is an IntegrityError on SQLite, error 3819 (OperationalError) on seekdb.

@@ -42,7 +42,7 @@ from apsup.store import intents, open_backend
 from apsup.store.base import SqlBackend
 from apsup.store.leases import Term
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.backends("sqlite", "mysql", "postgresql")]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 FAMILY = "ctx-family"
@@ -71,7 +71,7 @@ def _make(db_url: str, term: Term, generation: int, pending_sequence: int) -> Ex
 
 
 def _bump(backend: SqlBackend, key: str) -> Term:
-    if backend.name == "mysql":
+    if backend.name != "sqlite":  # elected: invalidate, then take over
         backend.invalidate_terms([key])
         term = backend.claim_term(key, uuid.uuid4().hex, 600)
         assert term is not None
@@ -87,8 +87,12 @@ def job(backend: SqlBackend, db_url: str) -> Iterator[ExecutionContext]:
     with backend.transaction() as conn:
         conn.execute(
             text(
-                "CREATE TABLE ctx_business (id INTEGER PRIMARY KEY "
-                + ("AUTOINCREMENT" if backend.name == "sqlite" else "AUTO_INCREMENT")
+                "CREATE TABLE ctx_business (id "
+                + {
+                    "sqlite": "INTEGER PRIMARY KEY AUTOINCREMENT",
+                    "mysql": "INTEGER PRIMARY KEY AUTO_INCREMENT",
+                    "postgresql": "SERIAL PRIMARY KEY",
+                }[backend.name]
                 + ", scope_id VARCHAR(255) NOT NULL, note VARCHAR(255) NOT NULL)"
             )
         )

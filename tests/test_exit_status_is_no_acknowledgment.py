@@ -21,7 +21,7 @@ from apsup.workers.exit_codes import ExitCode
 from tests import liveness_families as lf
 from tests.liveness_support import ExitRecorder, cycle_until, handled, live_host, request
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.backends("sqlite", "mysql", "postgresql")]
 
 FORGED = ["sysexit.9", "osexit.9", "sysexit.3", "osexit.4", "sysexit.6", "osexit.8"]
 

@@ -33,7 +33,7 @@ from apsup.store.base import SqlBackend
 from apsup.store.leases import INVALIDATED, Term, read_lease, validate
 from tests import _contract_fencing as fj
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.backends("sqlite", "mysql", "postgresql")]
 
 ROUNDS = 200
 SEED = 20261202
@@ -76,8 +76,11 @@ def _join(*procs: Any) -> None:
 
 
 def _blocked_on_lease_update(store: SqlBackend, timeout: float = 8.0) -> str:
-    """MySQL: wait until some other session is executing an UPDATE of the Lease table (i.e. B's
-    bump reached the server and is waiting for the row lock). Returns that statement."""
+    """Elected backends: wait until some other session is executing a write of the Lease table
+    (i.e. B's bump reached the server and is waiting for the row lock). Returns that
+    statement."""
+    if store.name == "postgresql":
+        return _blocked_on_lease_lock_pg(store, timeout)
     deadline = time.monotonic() + timeout
     with store.engine.connect() as observer:
         me = int(observer.execute(text("SELECT CONNECTION_ID()")).scalar_one())
@@ -93,6 +96,25 @@ def _blocked_on_lease_update(store: SqlBackend, timeout: float = 8.0) -> str:
                     and info.lstrip().upper().startswith("UPDATE")
                 ):
                     return str(info)
+            time.sleep(0.02)
+    pytest.fail("the bump never reached the server while the fence was held")
+
+
+def _blocked_on_lease_lock_pg(store: SqlBackend, timeout: float) -> str:
+    """PostgreSQL: another session's statement on the Lease table waits for a row lock."""
+    deadline = time.monotonic() + timeout
+    with store.engine.connect() as observer:
+        while time.monotonic() < deadline:
+            rows = observer.execute(
+                text(
+                    "SELECT query FROM pg_stat_activity WHERE pid <> pg_backend_pid() "
+                    "AND state = 'active' AND wait_event_type = 'Lock' "
+                    "AND query LIKE '%pc_artifact_processing_leases%'"
+                )
+            ).all()
+            observer.rollback()
+            if rows:
+                return str(rows[0][0])
             time.sleep(0.02)
     pytest.fail("the bump never reached the server while the fence was held")
 
@@ -165,7 +187,7 @@ def test_bump_waits_for_an_open_fenced_transaction(store: SqlBackend, db_url: st
         assert inside.wait(30), "A never entered fenced()"
         bumper.start()
         assert bumping.wait(30), "B never started its bump"
-        if store.name == "mysql":
+        if store.name != "sqlite":
             # B's UPDATE of the Lease row is on the server, waiting for A's FOR UPDATE lock.
             _blocked_on_lease_update(store)
         else:

@@ -54,7 +54,7 @@ from tests.liveness_support import (
     still_occupied,
 )
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.backends("sqlite", "mysql", "postgresql")]
 
 
 def _record_exit_codes(sup: object) -> list[int]:

@@ -23,7 +23,7 @@ from apsup.store import intents, migrate, open_backend
 from apsup.store.base import SqlBackend
 from apsup.store.schema import intents as intents_table
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.backends("sqlite", "mysql", "postgresql")]
 
 #: The revisions before byte-exact identifiers (apsup_0005 and, for principals, apsup_0006).
 BEFORE = "apsup_0004"  # the families branch before 0006; the framework stays at apsup_0001

@@ -40,13 +40,13 @@ from apsup.store.base import SqlBackend
 from apsup.store.leases import Term
 from apsup.store.schema import intents as intents_table
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.backends("sqlite", "mysql", "postgresql")]
 
 SCOPES = [f"scope-{i}" for i in range(3)]
 BIG = 10**12
 
 # Few examples on MySQL: every step is a few network round trips.
-EXAMPLES = {"sqlite": (50, 30), "mysql": (40, 30)}
+EXAMPLES = {"sqlite": (50, 30), "mysql": (40, 30), "postgresql": (40, 30)}
 
 
 @dataclass(frozen=True)

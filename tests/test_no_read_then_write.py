@@ -30,7 +30,7 @@ from apsup.store.leases import Term
 from tests.replicas import families
 from tests.replicas.cluster import REPO_ROOT, Cluster
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.backends("sqlite", "mysql", "postgresql")]
 
 CONTROL_WRITES = {"start_scan", "admit", "end_scan", "ensure_state"}
 
@@ -43,7 +43,7 @@ def _claim(backend: SqlBackend, holder: str) -> Term:
 
 def _takeover(backend: SqlBackend) -> Term:
     """A legitimate replacement of the current term by another holder."""
-    if backend.name == "mysql":
+    if backend.name != "sqlite":  # elected: invalidate, then take over
         backend.invalidate_terms(["global"])
     return _claim(backend, uuid.uuid4().hex)
 

@@ -21,7 +21,7 @@ from apsup.store import migrate, open_backend, operator_state
 from tests import liveness_families as lf
 from tests.liveness_support import cycle_until, live_host, request
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.backends("sqlite", "mysql", "postgresql")]
 
 
 def test_a_stop_committed_while_the_leader_acts_on_a_retry_is_not_lost(

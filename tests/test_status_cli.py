@@ -30,6 +30,8 @@ from apsup.config import DEFAULT_PREFIX
 from apsup.observability.health import HealthServer, Heartbeat
 from apsup.store import intents, open_backend, scans
 
+pytestmark = pytest.mark.backends("sqlite", "mysql", "postgresql")
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 HOLDER = "5f0c2a9e" + "1" * 24
 CHECKPOINT = datetime(2026, 1, 2, 3, 4, 5, 678000)

@@ -149,7 +149,7 @@ def main(
         if make_url(db_url).password:
             register_dsn(db_url)  # any driver message quoting the DSN or password is masked
     host_url = args.url or discover_url() or local_listener(db_url)
-    if host_url is None and backend_kind(db_url) == "mysql":
+    if host_url is None and backend_kind(db_url) != "sqlite":
         host_url = member_listener(db_url)  # a replica's row names its listener
     try:
         backend = open_checked(db_url)

@@ -261,6 +261,24 @@ def _mysql_code(exc: BaseException) -> int | None:
     return args[0] if args and isinstance(args[0], int) else None
 
 
+#: MySQL error numbers / PostgreSQL SQLSTATEs (or, for a refused connect, which carries no
+#: SQLSTATE in psycopg, the server's words) of a missing database and of refused credentials.
+_NO_DATABASE = {1049, "3D000"}
+_DENIED = {1044, 1045, "28000", "28P01"}
+
+
+def _refusal(exc: BaseException) -> str | None:
+    """``"missing"``, ``"denied"`` or None for a driver error met opening the database."""
+    orig = getattr(exc, "orig", None)
+    code = _mysql_code(exc) or getattr(orig, "sqlstate", None)
+    text = str(orig or exc)
+    if code in _NO_DATABASE or ('database "' in text and "does not exist" in text):
+        return "missing"
+    if code in _DENIED or "authentication failed" in text:
+        return "denied"
+    return None
+
+
 def open_checked(url: str) -> Any:
     """Open the backend, refusing (exit 2) a missing or unmigrated database; never creates one."""
     shown = redact_url(url)
@@ -290,12 +308,12 @@ def open_checked(url: str) -> Any:
             missing = [t for t in SCHEMA_TABLES if not inspector.has_table(t)]
     except DBAPIError as exc:
         backend.dispose()
-        code = _mysql_code(exc)
-        if code == 1049:
+        refusal = _refusal(exc)
+        if refusal == "missing":
             raise StatusUnavailable(
                 f"database {shown} does not exist: create it and {migrate_hint}", EXIT_MISSING
             ) from None
-        if code in (1044, 1045):
+        if refusal == "denied":
             raise StatusUnavailable(
                 f"access to {shown} was denied ({exception_message(exc.orig or exc, 120)}): "
                 "check the user and password in the database URL",

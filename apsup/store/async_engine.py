@@ -29,8 +29,16 @@ from apsup.errors import ConfigError
 from apsup.store.base import SqlBackend
 from apsup.store.leases import Term
 
-ASYNC_DRIVERS = {"sqlite": "sqlite+aiosqlite", "mysql": "mysql+aiomysql"}
-_DRIVERS = {"sqlite+aiosqlite": "aiosqlite", "mysql+aiomysql": "aiomysql"}
+ASYNC_DRIVERS = {
+    "sqlite": "sqlite+aiosqlite",
+    "mysql": "mysql+aiomysql",
+    "postgresql": "postgresql+psycopg",  # psycopg 3 serves both; SQLAlchemy picks its async side
+}
+_DRIVERS = {
+    "sqlite+aiosqlite": "aiosqlite",
+    "mysql+aiomysql": "aiomysql",
+    "postgresql+psycopg": "psycopg",
+}
 #: A MySQL URL option the sync backend consumes itself; no driver understands it.
 _BACKEND_ONLY_PARAMS = ("apsup_fence_timeout",)
 
@@ -41,7 +49,9 @@ def async_url(url: str | URL) -> URL:
     name = u.get_backend_name()
     kind = "mysql" if name in {"mysql", "mariadb"} else name
     if kind not in ASYNC_DRIVERS:
-        raise ConfigError(f"no async driver for database backend {name!r}: use sqlite or mysql")
+        raise ConfigError(
+            f"no async driver for database backend {name!r}: use sqlite, mysql or postgresql"
+        )
     return u.difference_update_query(_BACKEND_ONLY_PARAMS).set(drivername=ASYNC_DRIVERS[kind])
 
 
@@ -118,6 +128,18 @@ class AsyncStore:
                 url, connect_args={"timeout": getattr(backend, "busy_timeout", 30.0)}
             )
             _sqlite_listeners(self.engine.sync_engine, "FULL")
+        elif backend.name == "postgresql":
+            from apsup.store.postgresql import session_options
+
+            self.engine = create_async_engine(
+                url,
+                connect_args={"options": session_options(backend)},
+                isolation_level="READ COMMITTED",
+                pool_pre_ping=True,
+                pool_recycle=1800,
+                pool_size=4,
+                max_overflow=8,
+            )
         else:
             from apsup.store.mysql import TRANSACTION_ABORT_CODES
 

@@ -24,7 +24,20 @@ def backend_kind(url: str) -> str:
         return "sqlite"
     if name in {"mysql", "mariadb"}:
         return "mysql"
-    raise ConfigError(f"unsupported database backend {name!r}: use sqlite or mysql (OceanBase)")
+    if name == "postgresql":
+        return "postgresql"
+    raise ConfigError(
+        f"unsupported database backend {name!r}: use sqlite, mysql (OceanBase) or postgresql"
+    )
+
+
+#: Backends several replicas share, whose terms are Leases in database time.
+ELECTED = frozenset({"mysql", "postgresql"})
+
+
+def is_elected(url: str) -> bool:
+    """Whether ``url``'s backend elects leaders (several hosts may share it)."""
+    return backend_kind(url) in ELECTED
 
 
 def open_backend(url: str, *, create: bool = False, control: bool = False) -> SqlBackend:
@@ -43,10 +56,15 @@ def open_backend(url: str, *, create: bool = False, control: bool = False) -> Sq
     try:
         make_url(url).get_dialect().import_dbapi()
     except ImportError:
+        extra = "postgresql] (psycopg 3)" if kind == "postgresql" else "mysql] (PyMySQL)"
         raise ConfigError(
-            f"{redact_url(url)!r} needs a MySQL driver that is not installed: "
-            "pip install 'apsup[mysql]' (PyMySQL)"
+            f"{redact_url(url)!r} needs a database driver that is not installed: "
+            f"pip install 'apsup[{extra}"
         ) from None
+    if kind == "postgresql":
+        from apsup.store.postgresql import PostgresqlBackend
+
+        return PostgresqlBackend(url, control=control)
     from apsup.store.mysql import MysqlBackend
 
     return MysqlBackend(url, control=control)
@@ -84,7 +102,7 @@ def worker_preload(url: str, *, asynchronous: bool = True) -> list[str]:
         return modules
     from apsup.store.async_engine import async_url
 
-    driver = {"sqlite": "aiosqlite", "mysql": "aiomysql"}[kind]
+    driver = {"sqlite": "aiosqlite", "mysql": "aiomysql", "postgresql": "psycopg"}[kind]
     if importlib.util.find_spec(driver) is not None:  # optional: only async processors need it
         modules += ["apsup.store.async_engine", async_url(url).get_dialect().__module__, driver]
     return modules

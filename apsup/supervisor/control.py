@@ -165,10 +165,11 @@ def check_publisher(conn: Connection) -> None:
     Called by ``request``/``mark_dirty`` before they write anything.
     """
     name = conn.dialect.name
-    if name not in {"sqlite", "mysql", "mariadb"}:
+    if name not in {"sqlite", "mysql", "mariadb", "postgresql"}:
         raise ConfigError(
-            f"apsup stores intent in SQLite or MySQL/OceanBase, not {name!r}: pass a connection "
-            "of the database apsup runs on (apsup.connect(url) builds a suitable engine)"
+            f"apsup stores intent in SQLite, MySQL/OceanBase or PostgreSQL, not {name!r}: pass a "
+            "connection of the database apsup runs on (apsup.connect(url) builds a suitable "
+            "engine)"
         )
     autocommit = getattr(conn, "_is_autocommit_isolation", None)
     if autocommit is not None and autocommit():

@@ -119,7 +119,7 @@ def switch_mode(settings: Settings, to: str, *, force: bool = False) -> SwitchRe
     backend = open_backend(url)
     try:
         before = {r.supervisor_key: r for r in backend.lease_rows()}
-        if kind == "mysql" and not force:
+        if kind != "sqlite" and not force:
             live = _live(list(before.values()), backend.now())
             if live:
                 now = backend.now()

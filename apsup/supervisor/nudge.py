@@ -96,8 +96,8 @@ def _addresses(conn: Connection, family: str) -> list[tuple[str, int]]:
 
 def nudge_on_commit(conn: Connection, family: str, scope_id: str) -> None:
     """Announce ``family`` (and one Scope its transaction wrote) to its leaders when ``conn``'s
-    transaction commits. MySQL/OceanBase only; a failed lookup only skips the nudge."""
-    if conn.dialect.name not in {"mysql", "mariadb"}:
+    transaction commits. Elected backends only; a failed lookup only skips the nudge."""
+    if conn.dialect.name not in {"mysql", "mariadb", "postgresql"}:
         return
     try:
         if not _addresses(conn, family):

@@ -102,12 +102,13 @@ def check_topology(settings: Settings) -> str:
     kind = backend_kind(settings.database_url)
     if kind == "sqlite" and settings.role != "all":
         raise ConfigError(
-            f"role {settings.role!r} needs a shared MySQL/OceanBase database; SQLite runs one "
-            f"host with role 'all' (set {settings.prefix}ARTIFACT_PROCESSING_ROLE=all)"
+            f"role {settings.role!r} needs a shared database (MySQL/OceanBase or PostgreSQL); "
+            "SQLite runs one host with role 'all' "
+            f"(set {settings.prefix}ARTIFACT_PROCESSING_ROLE=all)"
         )
     if settings.role == "api":
         return "api"
-    if kind == "mysql" and settings.mode == "dedicated":
+    if kind != "sqlite" and settings.mode == "dedicated":
         return "processes"
     return "host"
 

@@ -112,7 +112,7 @@ def tables() -> dict[str, list[sa.SchemaItem]]:
         ],
         "profile_policies": [
             _scope(),
-            sa.Column("enabled", sa.Boolean, nullable=False, server_default=sa.text("1")),
+            sa.Column("enabled", sa.Boolean, nullable=False, server_default=sa.true()),
         ],
         "profile_candidates": [
             sa.Column("candidate_id", sa.String(DIGEST), primary_key=True),

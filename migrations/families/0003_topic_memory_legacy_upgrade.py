@@ -119,7 +119,7 @@ def evolve_binding_states(insp: Any) -> None:
         [
             sa.Column("last_schedule_checkpoint_at", Timestamp, nullable=True),
             sa.Column("scan_generation", sa.BigInteger, nullable=False, server_default="0"),
-            sa.Column("scan_in_progress", sa.Boolean, nullable=False, server_default="0"),
+            sa.Column("scan_in_progress", sa.Boolean, nullable=False, server_default=sa.false()),
             sa.Column("scan_upper_pending_sequence", sa.BigInteger, nullable=True),
         ],
     )

@@ -20,7 +20,7 @@ import pytest
 from tests.acceptance.families import configure
 from tests.acceptance.harness import all_intents, events, mark_dirty, max_overlap, request
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.backends("sqlite", "mysql", "postgresql")]
 
 BUDGET_A, BUDGET_B = 3, 2
 SCOPES_A = [f"ok.a{i}" for i in range(6)]

@@ -18,7 +18,7 @@ from apsup.store.schema import family_minutes
 from tests.acceptance.families import configure
 from tests.acceptance.harness import completed, request, scope_events
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.backends("sqlite", "mysql", "postgresql")]
 
 
 def _totals(history: list[list[int]] | tuple[Any, ...]) -> tuple[int, int]:
