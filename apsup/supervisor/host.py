@@ -32,6 +32,8 @@ from apsup.supervisor.activity_recorder import ActivityRecorder
 from apsup.supervisor.control import ALL, ControlChannel
 from apsup.supervisor.drain import classify_kept, drain
 from apsup.supervisor.lease_keeper import LeaseKeeper, default_renew_deadline
+from apsup.supervisor.notifications import ALL as NOTIFY_ALL
+from apsup.supervisor.notifications import NotificationListener
 from apsup.supervisor.nudge import NudgeListener
 from apsup.supervisor.placement import Balancer
 from apsup.supervisor.startup import configuration_problem
@@ -183,6 +185,8 @@ class Host:
         #: Elected backends: nudges from publishers on other processes and replicas
         #: (``apsup.supervisor.nudge``); set by the runtime beside its HTTP listener.
         self.nudges: NudgeListener | None = None
+        #: PostgreSQL: the LISTEN connection publishers' notifications arrive on.
+        self.listener: NotificationListener | None = None
         #: Per family, the Scope of a nudge whose publisher's commit is not visible yet, and
         #: since when, and when it is tried next (``_drain_nudges``).
         self._barriers: dict[str, tuple[str, float, float]] = {}
@@ -618,6 +622,8 @@ class Host:
             self._guarded("control", self._drain_control)
         if self.nudges is not None and time.monotonic() >= self.nudges.quiet_until:
             self._guarded("nudge", self._drain_nudges)
+        if self.listener is not None:
+            self._guarded("notifications", self._drain_notifications)
         now = time.monotonic()
         if self.elected and now >= self._next_poll:
             self._next_poll = now + self._next_poll_interval(now)
@@ -742,6 +748,27 @@ class Host:
         self._poll_interval = min(POLL_FAST_SECONDS, self.lease.poll_seconds)
         self._next_poll = min(self._next_poll, now + self._poll_interval)
 
+    def _drain_notifications(self) -> None:
+        """Families notified by publishers' commits (visible already: no barrier), and a full
+        request pass after each (re)connect of the listener; then poll fast for a while, as
+        after any activity."""
+        assert self.listener is not None
+        names = self.listener.drain()
+        if not names:
+            return
+        for sup in self.supervisors:
+            if not sup.established:
+                continue
+            if NOTIFY_ALL in names:
+                sup.notify_all()
+                continue
+            for family in names & set(sup.families):
+                sup.notify(family)
+        now = time.monotonic()
+        self._last_activity = now
+        self._poll_interval = min(POLL_FAST_SECONDS, self.lease.poll_seconds)
+        self._next_poll = min(self._next_poll, now + self._poll_interval)
+
     def _deliver_exits(self) -> None:
         """Confirmed exits free their capacity now; they are classified after the step."""
         exits = list(self.pool.poll())
@@ -819,6 +846,13 @@ class Host:
                 timeout = quiet if timeout is None else min(timeout, quiet)
             else:
                 objects.append(self.nudges.fileno())
+        if self.listener is not None:
+            fd = self.listener.fileno()
+            if fd is not None:
+                objects.append(fd)
+            elif (due := self.listener.due()) is not None:  # down: reconnect when due
+                left = max(0.0, due - time.monotonic())
+                timeout = left if timeout is None else min(timeout, left)
         if self.control is not None:
             # While quiet, pending datagrams wait in the kernel: a flood costs one drain per
             # interval, not one loop iteration per datagram.

@@ -96,8 +96,14 @@ def _addresses(conn: Connection, family: str) -> list[tuple[str, int]]:
 
 def nudge_on_commit(conn: Connection, family: str, scope_id: str) -> None:
     """Announce ``family`` (and one Scope its transaction wrote) to its leaders when ``conn``'s
-    transaction commits. Elected backends only; a failed lookup only skips the nudge."""
-    if conn.dialect.name not in {"mysql", "mariadb", "postgresql"}:
+    transaction commits. MySQL/OceanBase: a datagram after the commit (a failed lookup only
+    skips it); PostgreSQL: a notification in the transaction (``supervisor.notifications``)."""
+    if conn.dialect.name == "postgresql":
+        from apsup.supervisor.notifications import notify_in_transaction
+
+        notify_in_transaction(conn, family)  # delivered after the COMMIT: no barrier needed
+        return
+    if conn.dialect.name not in {"mysql", "mariadb"}:
         return
     try:
         if not _addresses(conn, family):
