@@ -142,9 +142,9 @@ class ExecutionContext:
     trace_context: dict[str, str] = field(default_factory=dict, repr=False)
     #: Set by the Supervisor that dispatched this invocation: it found ``handled < G`` right
     #: before the launch (the duplicate check), and it acknowledges G itself, fenced by the same
-    #: term, when the Worker exits with ``ExitCode.ACKNOWLEDGE``. A processor that returns
-    #: without acknowledging then needs no database session of its own. Off (the Worker checks
-    #: and acknowledges itself) for a context built by hand.
+    #: term, when the Worker exits with ``ExitCode.RETURNED_UNACKNOWLEDGED``. A processor that
+    #: returns without acknowledging then needs no database session of its own. Off (the Worker
+    #: checks and acknowledges itself) for a context built by hand.
     host_acknowledges: bool = field(default=False, repr=False)
     _ack_pending: Connection | AsyncConnection | None = field(default=None, repr=False, init=False)
     _fenced_conn: Connection | None = field(default=None, repr=False, init=False)

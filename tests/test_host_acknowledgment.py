@@ -3,8 +3,8 @@ term that dispatched it (both backends, a real host, real Workers).
 
 The Supervisor's dispatch read is the duplicate check (``handled < G`` right before the launch),
 so a Worker whose processor needs no database opens no session at all: it exits with
-``ExitCode.ACKNOWLEDGE`` and the host commits the acknowledgment in a fenced transaction of its
-own. What must hold:
+``ExitCode.RETURNED_UNACKNOWLEDGED`` and the host commits the acknowledgment in a fenced
+transaction of its own. What must hold:
 
 - the acknowledgment is durable before the invocation counts as a success, and the Worker held
   no database descriptor while its processor ran;
@@ -86,7 +86,7 @@ def test_the_host_acknowledges_a_processor_that_returned(db_url: str, tmp_path: 
             assert handled(backend, fam, "noack.2", g2)
             assert sup.failed[fam.name] == 0 and not sup.unclassified
             assert recorder.causes == [(fam.name, None), (fam.name, None)]
-            assert codes == [ExitCode.ACKNOWLEDGE, ExitCode.ACKNOWLEDGE]
+            assert codes == [ExitCode.RETURNED_UNACKNOWLEDGED, ExitCode.RETURNED_UNACKNOWLEDGED]
         for scope in ("noack.1", "noack.2"):
             held = int((tmp_path / f"dbconns.{scope}").read_text())
             assert held == 0, f"the Worker held {held} database descriptor(s) while it ran"
@@ -112,7 +112,7 @@ def test_the_host_acknowledgment_is_fenced_by_the_dispatching_term(
             (tmp_path / "go.noackwait.1").touch()
             cycle_until(b.host, lambda: codes, 30, "Worker exit confirmed")
             cycle_until(b.host, lambda: sup.term is None, 30, "the Supervisor stepped down")
-            assert codes == [ExitCode.ACKNOWLEDGE]
+            assert codes == [ExitCode.RETURNED_UNACKNOWLEDGED]
             assert sup.completed[fam.name] == 0
             assert not handled(backend, fam, "noackwait.1", g)
     finally:
@@ -172,7 +172,7 @@ def test_a_request_made_while_the_worker_ran_runs_after_the_host_acknowledgment(
             cycle_until(b.host, lambda: sup.completed[fam.name] == 2, 30, "both invocations")
             assert started.read_text() != first, "the second invocation did not run"
             assert handled(backend, fam, "noackwait.1", later)
-            assert codes == [ExitCode.ACKNOWLEDGE, ExitCode.ACKNOWLEDGE]
+            assert codes == [ExitCode.RETURNED_UNACKNOWLEDGED, ExitCode.RETURNED_UNACKNOWLEDGED]
             assert sup.failed[fam.name] == 0
     finally:
         backend.dispose()

@@ -15,7 +15,7 @@ code  name                        Supervisor reaction
 6     STORAGE_FULL                the database could not write: disk full     } infrastructure:
 7     STORAGE_READ_ONLY           the database could not write: read-only     } short fixed retry,
 8     STORAGE_IO                  the database could not write: I/O error     } no backoff growth
-9     ACKNOWLEDGE                 the processor returned without acknowledging: the Supervisor
+9     RETURNED_UNACKNOWLEDGED     the processor returned without acknowledging: the Supervisor
                                   acknowledges for it, fenced by the dispatching term (contexts
                                   with ``host_acknowledges``), then classifies as for 0
 143   FORCED_EXIT                 second SIGTERM during graceful cleanup: ``os._exit(143)``
@@ -60,6 +60,8 @@ class ExitCode(IntEnum):
     STORAGE_FULL = 6
     STORAGE_READ_ONLY = 7
     STORAGE_IO = 8
+    RETURNED_UNACKNOWLEDGED = 9
+    #: The earlier name of 9 (it named a request, not what happened); kept as an alias.
     ACKNOWLEDGE = 9
     FORCED_EXIT = 128 + signal.SIGTERM
     STATUS_LOST = 255

@@ -4,9 +4,10 @@ Input is only the serialized ExecutionContext. The wrapper rebuilds what it need
 skips duplicate invocations (handled >= G consumes no new input, RFC §5), runs the processor
 and, when the processor returned without acknowledging, has G acknowledged in a final fenced
 transaction. Under a Supervisor (``ctx.host_acknowledges``) both ends are the host's: its
-dispatch read right before the launch was the duplicate check, and on ``ExitCode.ACKNOWLEDGE``
-it commits the acknowledgment itself, fenced by the dispatching term, so a processor that needs
-no database costs its Worker no session. A context built by hand gets both from the Worker.
+dispatch read right before the launch was the duplicate check, and on
+``ExitCode.RETURNED_UNACKNOWLEDGED`` it commits the acknowledgment itself, fenced by the
+dispatching term, so a processor that needs no database costs its Worker no session. A
+context built by hand gets both from the Worker.
 An ``async def`` processor runs to completion in the Worker's own event loop before that
 acknowledgment; so does any awaitable a plain processor returns (a sync wrapper around a
 coroutine): an un-awaited coroutine would otherwise be acknowledged without ever running.
@@ -80,7 +81,7 @@ def run(payload: bytes) -> int:
         if ctx.acknowledged:
             return ExitCode.SUCCESS
         if ctx.host_acknowledges:  # the Supervisor acknowledges G under the same term
-            return ExitCode.ACKNOWLEDGE
+            return ExitCode.RETURNED_UNACKNOWLEDGED
         ctx.acknowledge_fenced()
         return ExitCode.SUCCESS
     except ProgressConflict as exc:

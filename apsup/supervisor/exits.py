@@ -60,4 +60,4 @@ def classify(f: ExitFacts) -> tuple[Outcome, str | None]:
 
 def asks_acknowledgment(exitcode: int, vouched: bool) -> bool:
     """The wrapper asks its host to acknowledge for it (the processor returned normally)."""
-    return vouched and exitcode == ExitCode.ACKNOWLEDGE
+    return vouched and exitcode == ExitCode.RETURNED_UNACKNOWLEDGED

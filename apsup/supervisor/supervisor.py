@@ -1051,17 +1051,17 @@ class Supervisor:
     def _acknowledge_for(
         self, invs: Sequence[Invocation], reads: Reads = ()
     ) -> dict[str, _Acknowledged]:
-        """The Workers' processors returned without acknowledging (``ExitCode.ACKNOWLEDGE``):
-        acknowledge each G now, fenced by the term that dispatched it, exactly as the Worker's
-        own final transaction would have (idempotent: a retry finds it done); the exits of one
-        term go in one transaction. Per Worker: the exit code it would have had (SUCCESS;
-        STALE_TERM when that term is no longer the valid one, and then nothing was written
-        for it; PROGRESS_CONFLICT when the Scope's row was deleted or recreated; a storage code
-        when the database refused the write), and the row's requested generation when this
-        call moved it to G and the backend read it in the same statement (else None:
+        """The Workers' processors returned without acknowledging
+        (``ExitCode.RETURNED_UNACKNOWLEDGED``): acknowledge each G now, fenced by the term that
+        dispatched it, exactly as the Worker's own final transaction would have (idempotent: a retry
+        finds it done); the exits of one term go in one transaction. Per Worker: the exit code it
+        would have had (SUCCESS; STALE_TERM when that term is no longer the valid one, and then
+        nothing was written for it; PROGRESS_CONFLICT when the Scope's row was deleted or recreated;
+        a storage code when the database refused the write), and the row's requested generation when
+        this call moved it to G and the backend read it in the same statement (else None:
         classification reads the row); or the error that left it undecided (the exit stays
-        unclassified and this is retried). ``reads``: rows to read in the current term's
-        transaction for the next dispatches (kept in ``_rows``)."""
+        unclassified and this is retried). ``reads``: rows to read in the current term's transaction
+        for the next dispatches (kept in ``_rows``)."""
         out: dict[str, _Acknowledged] = {}
         key = self.term
         if key is None:  # no term left to acknowledge under
