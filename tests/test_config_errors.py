@@ -154,7 +154,7 @@ def test_relative_sqlite_path_is_made_absolute() -> None:
 
 
 def test_unsupported_backend_is_refused_without_the_password() -> None:
-    msg = fails(DATABASE_URL="postgresql://u:s3cret@h/db")
+    msg = fails(DATABASE_URL="mssql+pyodbc://u:s3cret@h/db")
     assert P + "DATABASE_URL" in msg and "unsupported database backend" in msg
 
 

@@ -28,6 +28,7 @@ from apsup.store.leases import GLOBAL_KEY, dedicated_key
 from apsup.store.sqlite import database_path, shared_mode
 from apsup.supervisor.control import ControlChannel, HostLock
 from apsup.supervisor.host import Host, LeasePolicy
+from apsup.supervisor.notifications import NotificationListener
 from apsup.supervisor.supervisor import Hooks, Supervisor
 from apsup.workers.invoke import TARGET
 from apsup.workers.pool import WorkerPool
@@ -65,6 +66,8 @@ class HostBundle:
             except Exception:  # pragma: no cover - best effort on the way out
                 log.exception("close step failed")
         self.pool.close()
+        if self.host.listener is not None:
+            self.host.listener.close()
         self.backend.dispose()
         if self.control is not None:
             self.control.close()
@@ -229,6 +232,8 @@ def build_host(
         control=control,
         shutdown_grace=shutdown_grace,
     )
+    if backend.name == "postgresql":  # publishers' commits notify (LISTEN/NOTIFY)
+        host.listener = NotificationListener(database_url)
     if lock is not None:
         # The lock proves this is the only host: every earlier term, of either mode and of
         # families no longer configured, is invalidated before this host claims its own (a

@@ -65,7 +65,6 @@ from apsup.store.leases import all_leases
 from apsup.supervisor.dedicated import DedicatedLauncher
 from apsup.supervisor.host import Host, LeasePolicy
 from apsup.supervisor.launcher import MODES, build_host
-from apsup.supervisor.notifications import NotificationListener
 from apsup.supervisor.nudge import NudgeListener
 from apsup.supervisor.placement import Balancer
 from apsup.supervisor.process import configure_logs, main_thread, signals
@@ -684,9 +683,7 @@ class Runtime:
             if bundle.control is not None and self.http_port is not None:
                 bundle.control.publish_listener(self.settings.http_host, self.http_port)
             host.member = _member(host, s, self.http_port)
-            if host.backend.name == "postgresql":  # publishers notify (LISTEN/NOTIFY)
-                host.listener = NotificationListener(s.database_url)
-            elif host.elected and self.http_port is not None:
+            if host.elected and host.listener is None and self.http_port is not None:
                 try:  # publishers nudge the leaders here (``apsup.supervisor.nudge``)
                     host.nudges = NudgeListener(s.http_host, self.http_port)
                 except OSError as exc:
@@ -728,8 +725,6 @@ class Runtime:
             finally:
                 if host.nudges is not None:
                     host.nudges.close()
-                if host.listener is not None:
-                    host.listener.close()
                 bundle.close()
                 self._stop_http()
                 relay.close()

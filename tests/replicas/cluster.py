@@ -223,7 +223,7 @@ class Cluster:
                     leases.c.holder_id,
                     leases.c.supervisor_generation,
                     leases.c.expires_at,
-                    func.now(6) if self.backend.name == "mysql" else func.now(),
+                    self.backend.db_time_sql() if self.backend.name != "sqlite" else func.now(),
                 ).where(leases.c.supervisor_key == key)
             ).first()
             conn.rollback()

@@ -1,4 +1,4 @@
-"""Fault tests with real replica processes on the real MySQL-compatible server (RFC §8, acc. 10).
+"""Fault tests with real replica processes on the real servers (MySQL-compatible, PostgreSQL).
 
 Three background replicas (+ one api replica that accepts requests) of ``tests.replicas.replica``
 run against one database with lease 3 s / renew 1 s / poll 0.5 s:
@@ -40,7 +40,7 @@ STOP_TRIALS = 200 if SOAK else 5
 KILL_REQUESTS = 300 if SOAK else 60
 
 pytestmark = [
-    pytest.mark.mysql_only,
+    pytest.mark.backends("mysql", "postgresql"),
     pytest.mark.soak,
     pytest.mark.timeout(3600 if SOAK else 240),
 ]
