@@ -117,7 +117,11 @@ class PostgresServer:
         if done.returncode != 0:
             raise PostgresUnavailable(f"initdb failed ({done.returncode}): {done.stderr[-500:]}")
         self.port = _free_port()
-        args = [str(bin_dir / "postgres"), "-D", str(data), "-h", "127.0.0.1"]
+        self._launch(bin_dir)
+
+    def _launch(self, bin_dir: Path) -> None:
+        assert self.base is not None and self.port is not None
+        args = [str(bin_dir / "postgres"), "-D", str(self.base / "data"), "-h", "127.0.0.1"]
         args += ["-p", str(self.port), "-k", str(self.base)]
         for setting in (
             f"timezone={SERVER_ZONE}",
@@ -128,17 +132,25 @@ class PostgresServer:
             "shared_buffers=64MB",
         ):
             args += ["-c", setting]
-        log = open(self.base / "server.log", "wb")  # noqa: SIM115 - the server keeps writing it
+        log = open(self.base / "server.log", "ab")  # noqa: SIM115 - the server keeps writing it
         with log:
             self.proc = subprocess.Popen(
                 args,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                user=user,
+                user=_as_user(),
                 start_new_session=True,  # Ctrl-C on the test run does not hit the server directly
             )
         self._wait_ready()
+
+    def restart(self, down: float = 0.0) -> None:
+        """Stop the server (fast shutdown: sessions ended, commits flushed), stay down for
+        ``down`` seconds, start it again on the same port and data: what a restart or a managed
+        failover looks like to the clients."""
+        self._shutdown()
+        time.sleep(down)
+        self._launch(binaries())
 
     def _wait_ready(self) -> None:
         import psycopg
@@ -162,7 +174,7 @@ class PostgresServer:
                 time.sleep(0.05)
         raise PostgresUnavailable(f"postgres did not accept connections ({last})")
 
-    def stop(self) -> None:
+    def _shutdown(self) -> None:
         proc, self.proc = self.proc, None
         if proc is not None and proc.poll() is None:
             proc.send_signal(signal.SIGINT)  # fast shutdown: ends the sessions, no checkpoint wait
@@ -171,6 +183,9 @@ class PostgresServer:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)
+
+    def stop(self) -> None:
+        self._shutdown()
         if self.base is not None:
             shutil.rmtree(self.base, ignore_errors=True)
             self.base = None
