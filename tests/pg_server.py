@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tests.seekdb_server import _PRCTL, _die_with_parent
+
 READY_TIMEOUT_S = 30.0
 SERVER_ZONE = "Asia/Shanghai"
 UNPRIVILEGED_USER = "nobody"
@@ -69,6 +71,22 @@ def _as_user() -> str | None:
     return UNPRIVILEGED_USER if os.geteuid() == 0 else None
 
 
+def prune_stale() -> None:
+    """Remove data folders of servers that are gone (a killed run leaves ~40 MB behind): those
+    whose ``postmaster.pid`` names a dead process. One without it may be starting right now."""
+    for base in Path(tempfile.gettempdir()).glob("apsup-pg-*"):
+        try:
+            pid = int((base / "data" / "postmaster.pid").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(base, ignore_errors=True)
+        except PermissionError:
+            continue
+
+
 class PostgresServer:
     """One ``postgres`` process on a free loopback port with a fresh data folder."""
 
@@ -93,6 +111,7 @@ class PostgresServer:
 
     def start(self, attempts: int = 3) -> PostgresServer:
         bin_dir = binaries()
+        prune_stale()
         error: PostgresUnavailable | None = None
         for _ in range(attempts):  # a fresh port each time: the free port may be taken meanwhile
             try:
@@ -141,6 +160,9 @@ class PostgresServer:
                 stderr=subprocess.STDOUT,
                 user=_as_user(),
                 start_new_session=True,  # Ctrl-C on the test run does not hit the server directly
+                # SIGKILL the server when its starter dies (set after the switch of user, so it
+                # stays): a killed test run leaves no server behind.
+                preexec_fn=_die_with_parent if _PRCTL is not None else None,
             )
         self._wait_ready()
 
