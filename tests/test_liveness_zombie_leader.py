@@ -98,12 +98,17 @@ def test_readyz_over_http_is_not_ok_until_the_term_is_established(db_url: str) -
                 port = runtime.http_port
                 assert port is not None
                 deadline = time.monotonic() + 3.0
+                held_not_ready = []
                 while time.monotonic() < deadline:
                     code, body = http_get(port, "/readyz")
                     assert body["status"] != "ok", body
+                    work = body["families"].get(lf.live_work.name, {})
+                    if code == 503 or "term not established" in str(work.get("reason")):
+                        held_not_ready.append(body)
                     time.sleep(0.1)
-                work = body["families"].get(lf.live_work.name, {})
-                assert code == 503 or "term not established" in str(work.get("reason")), body
+                # Held but not established, and said so. (Between two attempts a host that gave
+                # its term up after repeated failures is briefly a healthy standby.)
+                assert held_not_ready, body
                 rename_table(db_url, "live_moved_states", BINDING_STATES)
                 repaired = True
                 wait_for(
