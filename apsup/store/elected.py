@@ -10,6 +10,7 @@ SQLite does not elect: one host owns the file and its terms never expire (``stor
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 
 from sqlalchemy import Connection, update
@@ -17,6 +18,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import IntegrityError
 
 from apsup.errors import ConfigError
+from apsup.store import intents
 from apsup.store.base import SqlBackend
 from apsup.store.leases import (
     GLOBAL_KEY,
@@ -91,6 +93,13 @@ class ElectedBackend(SqlBackend):
         # Expiry is judged only now that the row lock is held: a time read before or with the
         # lock wait would be as old as the wait.
         validate(row, term, self._db_now(conn))
+
+    # -- reads ------------------------------------------------------------------------------
+    def read_intents(self, binding: str, scope_ids: Sequence[str]) -> dict[str, intents.Intent]:
+        """The host's dispatch read for the keys it is about to start: one statement over the
+        network, not one per Scope."""
+        with self.read() as conn:
+            return intents.get_many(conn, binding, scope_ids)
 
     # -- leases -----------------------------------------------------------------------------
     def claim_term(

@@ -190,6 +190,20 @@ def get(
     return None if row is None else Intent(*row)
 
 
+_GET_MANY = select(*_COLUMNS).where(
+    c.binding_name == bindparam("p_binding"), c.scope_id.in_(bindparam("p_scopes", expanding=True))
+)
+
+
+def get_many(conn: Connection, binding: str, scope_ids: Sequence[str]) -> dict[str, Intent]:
+    """The intent rows of several Scopes of one binding, in one statement (absent ones left
+    out)."""
+    if not scope_ids:
+        return {}
+    rows = conn.execute(_GET_MANY, {"p_binding": binding, "p_scopes": list(scope_ids)}).all()
+    return {row[1]: Intent(*row) for row in rows}
+
+
 def _advance(conn: Connection, binding: str, scope_id: str, column: str) -> int:
     binding = _check_binding(binding)
     scope_id = check_scope_id(scope_id)

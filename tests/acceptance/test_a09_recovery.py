@@ -22,7 +22,7 @@ from tests.acceptance.harness import (
     write,
 )
 
-pytestmark = [pytest.mark.timeout(180), pytest.mark.backends("sqlite", "mysql", "postgresql")]
+pytestmark = pytest.mark.timeout(180)
 
 # Scenarios marked with this run once with the sync test family and once with its async def twin.
 flavours = pytest.mark.parametrize("suffix", ["", "-async"], ids=["sync", "async"])
