@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from datetime import datetime, timedelta
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -22,7 +23,9 @@ from apsup.errors import DeadlinePassed, FencedTransactionTimeout, StaleTermErro
 from apsup.store import migrate, open_backend
 from apsup.store.postgresql import PostgresqlBackend, sqlstate
 from apsup.store.schema import leases
+from apsup.supervisor.launcher import build_host
 from tests.faults.proxy import FaultProxy
+from tests.liveness_families import live_work
 
 pytestmark = pytest.mark.backends("postgresql")
 KEY = "artifact:pg-bounds"
@@ -167,3 +170,21 @@ def test_a_fenced_transaction_left_open_is_ended_by_the_server(db_url: str) -> N
     finally:
         worker.dispose()
         store.dispose()
+
+
+def test_the_workers_fork_lean_on_postgresql(db_url: str, tmp_path: Path) -> None:
+    """The forkserver's warm-up opens a control backend to see whether the database answers;
+    its watchdog thread must be gone when that backend is disposed, or the forkserver holds a
+    second thread and every Worker forks the slow way (``apsup.workers.fork``)."""
+    migrate(db_url)
+    before = threading.active_count()  # xdist's own threads, if any
+    probe = open_backend(db_url, control=True)
+    probe.now()
+    assert threading.active_count() == before + 1  # the watchdog ran for that call
+    probe.dispose()
+    assert threading.active_count() == before
+    bundle = build_host(db_url, [live_work], worker_settings={"LIVE_DIR": str(tmp_path)})
+    try:
+        assert bundle.pool.fork_note is None
+    finally:
+        bundle.close()

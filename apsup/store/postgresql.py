@@ -81,6 +81,7 @@ class _Watchdog:
         self._armed: dict[int, tuple[float, int]] = {}  # token -> (deadline, socket fd)
         self._next = 0
         self._thread: threading.Thread | None = None
+        self._stopping = False
         self.fired = 0
 
     def arm(self, fd: int, deadline: float) -> int:
@@ -99,13 +100,29 @@ class _Watchdog:
         with self._cond:
             self._armed.pop(token, None)
 
+    def stop(self) -> None:
+        """End the thread now (a disposed backend; a process about to fork must hold no other
+        thread: ``apsup.workers.fork``). The next ``arm`` starts it again."""
+        with self._cond:
+            thread, self._thread = self._thread, None
+            self._armed.clear()
+            self._stopping = True
+            self._cond.notify_all()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(5.0)
+        with self._cond:
+            self._stopping = False
+
     def _run(self) -> None:
         with self._cond:
             while True:
+                if self._stopping:
+                    return
                 if not self._armed:
                     self._cond.wait(5.0)
-                    if not self._armed:
-                        self._thread = None
+                    if not self._armed or self._stopping:
+                        if self._thread is threading.current_thread():
+                            self._thread = None
                         return
                     continue
                 token, (deadline, fd) = min(self._armed.items(), key=lambda kv: kv[1][0])
@@ -266,6 +283,8 @@ class PostgresqlBackend(ElectedBackend):
         self.engine.pool.dispose()
         if self.read_engine is not self.engine:
             self.read_engine.pool.dispose()
+        if self._watchdog is not None:
+            self._watchdog.stop()
 
 
 __all__ = ["TRANSIENT_SQLSTATES", "PostgresqlBackend", "sqlstate"]
