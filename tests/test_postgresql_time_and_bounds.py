@@ -21,7 +21,7 @@ from sqlalchemy.exc import DBAPIError
 
 from apsup.errors import DeadlinePassed, FencedTransactionTimeout, StaleTermError
 from apsup.store import migrate, open_backend
-from apsup.store.postgresql import PostgresqlBackend, sqlstate
+from apsup.store.postgresql import PING_AFTER_IDLE_SECONDS, PostgresqlBackend, sqlstate
 from apsup.store.schema import leases
 from apsup.supervisor.launcher import build_host
 from tests.faults.proxy import FaultProxy
@@ -159,7 +159,7 @@ def test_a_fenced_transaction_left_open_is_ended_by_the_server(db_url: str) -> N
             conn.execute(text("CREATE TEMP TABLE scratch (x int)"))
             time.sleep(2.0)  # idle in the transaction, Lease row locked
             conn.execute(text("INSERT INTO scratch VALUES (1)"))
-        time.sleep(1.2)  # the Lease ran out meanwhile
+        time.sleep(PING_AFTER_IDLE_SECONDS + 0.2)  # the Lease ran out meanwhile
         taken = store.claim_term(KEY, "holder-b", 30.0)
         assert taken is not None and taken.generation == term.generation + 1
         with store.read() as conn:
@@ -188,3 +188,24 @@ def test_the_workers_fork_lean_on_postgresql(db_url: str, tmp_path: Path) -> Non
         assert bundle.pool.fork_note is None
     finally:
         bundle.close()
+
+
+@pytest.mark.parametrize("control", [True, False], ids=["host", "worker"])
+def test_a_pooled_connection_the_server_ended_is_replaced_before_use(
+    db_url: str, control: bool
+) -> None:
+    """Pooled connections are pinged only once idle for a while (a ping per checkout is a
+    round trip per transaction): one the server ended meanwhile is replaced, not used."""
+    migrate(db_url)
+    store = open_backend(db_url, control=control)
+    try:
+        with store.read() as conn:
+            pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        with _raw(db_url) as raw:
+            raw.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            raw.commit()
+        time.sleep(PING_AFTER_IDLE_SECONDS + 0.2)
+        with store.read() as conn:  # the dead one failed its ping: a fresh one serves
+            assert conn.execute(text("SELECT pg_backend_pid()")).scalar_one() != pid
+    finally:
+        store.dispose()

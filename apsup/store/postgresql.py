@@ -35,7 +35,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event, literal_column, text
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, DisconnectionError
 
 from apsup.errors import FencedTransactionTimeout
 from apsup.store.elected import FENCE_TIMEOUT_PARAM, ElectedBackend, fence_timeout
@@ -50,6 +50,9 @@ IDLE_IN_TRANSACTION_TIMEOUT = "25P03"
 TRANSACTION_TIMEOUT = "25P04"
 
 _NOW = text("SELECT clock_timestamp() AT TIME ZONE 'UTC'")
+#: A pooled connection idle longer than this is pinged before use (``_ping_when_idle``).
+PING_AFTER_IDLE_SECONDS = 1.0
+_RETURNED_AT = "apsup_returned_at"
 
 
 def sqlstate(exc: BaseException) -> str | None:
@@ -167,23 +170,18 @@ class PostgresqlBackend(ElectedBackend):
         connect_args["options"] = self.options
         engine_url = engine_url.difference_update_query(["options"])
         self._watchdog = _Watchdog() if control else None
-        # The host's connections are not pinged on checkout: a ping to a frozen server would
-        # hang unbounded (the watchdog covers calls, not checkouts); a connection that died
-        # in the pool fails its first statement instead, and that step is retried.
-        ping = not control
-        self.engine = self._engine(engine_url, connect_args, "READ COMMITTED", ping, 4, 8)
+        self.engine = self._engine(engine_url, connect_args, "READ COMMITTED", 4, 8)
         self.read_engine = self.engine
         if control:
             # The host's reads run in autocommit: under READ COMMITTED each statement sees the
             # latest commits anyway, and a read costs one statement instead of three.
-            self.read_engine = self._engine(engine_url, connect_args, "AUTOCOMMIT", ping, 2, 4)
+            self.read_engine = self._engine(engine_url, connect_args, "AUTOCOMMIT", 2, 4)
 
     def _engine(
         self,
         url: URL,
         connect_args: dict[str, Any],
         isolation: str,
-        ping: bool,
         size: int,
         overflow: int,
     ) -> Engine:
@@ -191,7 +189,7 @@ class PostgresqlBackend(ElectedBackend):
             url,
             connect_args=connect_args,
             isolation_level=isolation,
-            pool_pre_ping=ping,
+            pool_pre_ping=False,  # ``_ping_when_idle``
             pool_recycle=1800,
             pool_size=size,
             max_overflow=overflow,
@@ -207,6 +205,8 @@ class PostgresqlBackend(ElectedBackend):
                     bound = cparams.get("connect_timeout", left)
                     cparams["connect_timeout"] = max(1, min(int(bound), math.ceil(left)))
 
+        self._ping_when_idle(engine)
+
         @event.listens_for(engine, "handle_error")
         def _on_error(ctx: Any) -> None:
             # The server ended the session (fence bound) or the watchdog cut it: the
@@ -219,6 +219,45 @@ class PostgresqlBackend(ElectedBackend):
                 ctx.invalidate_pool_on_disconnect = False
 
         return engine
+
+    def _ping_when_idle(self, engine: Engine) -> None:
+        """SQLAlchemy's ``pool_pre_ping``, only for connections idle for a while, and bounded.
+
+        A ping on every checkout is one more round trip per transaction, paid where it protects
+        nothing: a Worker's connection is seconds old, and the host reuses its connections many
+        times a second. One idle longer than ``PING_AFTER_IDLE_SECONDS`` (the server may have
+        restarted, a proxy dropped it) is pinged, and a dead one replaced before use
+        (``DisconnectionError``: the pool retries with a fresh connection). On the host's
+        connections the watchdog bounds the ping too: a frozen server cannot hold a checkout.
+        """
+
+        def checkin(dbapi_conn: Any, rec: Any) -> None:
+            if rec is not None:
+                rec.info[_RETURNED_AT] = time.monotonic()
+
+        def checkout(dbapi_conn: Any, rec: Any, proxy: Any) -> None:
+            returned = rec.info.get(_RETURNED_AT)
+            if returned is None or time.monotonic() - returned < PING_AFTER_IDLE_SECONDS:
+                return  # a fresh connection, or one in use a moment ago
+            token, watchdog = None, self._watchdog
+            if watchdog is not None and self.limits is not None:
+                left = self.time_left()
+                bound = (
+                    self.limits.read_timeout
+                    if left is None
+                    else min(self.limits.read_timeout, left)
+                )
+                token = watchdog.arm(dbapi_conn.pgconn.socket, time.monotonic() + bound)
+            try:
+                engine.dialect.do_ping(dbapi_conn)
+            except Exception as exc:
+                raise DisconnectionError("pooled connection failed its ping") from exc
+            finally:
+                if watchdog is not None and token is not None:
+                    watchdog.disarm(token)
+
+        event.listen(engine.pool, "checkin", checkin)
+        event.listen(engine.pool, "checkout", checkout)
 
     # -- calls bounded on the client side -------------------------------------------------------
     @contextmanager
