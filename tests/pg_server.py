@@ -25,13 +25,14 @@ import os
 import pwd
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from tests.seekdb_server import _PRCTL, _die_with_parent, free_loopback_port, remove_if_dead
+from tests.seekdb_server import _PRCTL, _die_with_parent
 
 READY_TIMEOUT_S = 30.0
 SERVER_ZONE = "Asia/Shanghai"
@@ -59,6 +60,12 @@ def binaries() -> Path:
     )
 
 
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def _as_user() -> str | None:
     """The user the server runs as: ``nobody`` when this process is root, else this user."""
     return UNPRIVILEGED_USER if os.geteuid() == 0 else None
@@ -68,7 +75,16 @@ def prune_stale() -> None:
     """Remove data folders of servers that are gone (a killed run leaves ~40 MB behind): those
     whose ``postmaster.pid`` names a dead process. One without it may be starting right now."""
     for base in Path(tempfile.gettempdir()).glob("apsup-pg-*"):
-        remove_if_dead(base, base / "data" / "postmaster.pid")
+        try:
+            pid = int((base / "data" / "postmaster.pid").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(base, ignore_errors=True)
+        except PermissionError:
+            continue
 
 
 class PostgresServer:
@@ -119,7 +135,7 @@ class PostgresServer:
         done = subprocess.run(initdb, capture_output=True, text=True, user=user, check=False)
         if done.returncode != 0:
             raise PostgresUnavailable(f"initdb failed ({done.returncode}): {done.stderr[-500:]}")
-        self.port = free_loopback_port()
+        self.port = _free_port()
         self._launch(bin_dir)
 
     def _launch(self, bin_dir: Path) -> None:

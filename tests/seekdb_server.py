@@ -91,22 +91,16 @@ def prune_stale(var_dir: Path = VAR_DIR) -> None:
     without a pid file may belong to a server that is starting right now and is left alone.
     """
     for base in var_dir.glob("seekdb-*"):
-        remove_if_dead(base, base / "run" / "seekdb.pid")
-
-
-def remove_if_dead(base: Path, pid_file: Path) -> None:
-    """Remove ``base`` when ``pid_file`` (its first word: a pid) names a dead process; keep it
-    when the file is missing or unreadable (its server may be starting right now)."""
-    try:
-        pid = int(pid_file.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        shutil.rmtree(base, ignore_errors=True)
-    except PermissionError:
-        pass
+        try:
+            pid = int((base / "run" / "seekdb.pid").read_text().strip())
+        except (OSError, ValueError):
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(base, ignore_errors=True)
+        except PermissionError:
+            continue
 
 
 class SeekdbServer:
