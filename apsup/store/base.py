@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeVar
@@ -76,9 +76,6 @@ class SqlBackend:
     #: renew deadline while it leads; ``apsup.supervisor.lease_keeper``). ``None``: the
     #: static limits alone bound a call.
     call_deadline: float | None = None
-    #: Whether ``read_engine`` runs in autocommit (the host's reads on networked backends):
-    #: its reads then need no BEGIN and no COMMIT.
-    autocommit_reads = False
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -129,27 +126,16 @@ class SqlBackend:
     # -- transactions -----------------------------------------------------------------------
     @contextmanager
     def _txn(self, engine: Engine) -> Iterator[Connection]:
-        """A transaction on ``engine``; on a separate autocommit read engine (the host's
-        reads on networked backends) a plain connection: no BEGIN, no COMMIT."""
         with engine.connect() as conn:
             try:
-                with self._call_bound(conn):
-                    if engine is self.read_engine and self.autocommit_reads:
-                        yield conn
-                    else:
-                        with conn.begin():
-                            yield conn
+                with conn.begin():
+                    yield conn
             except DBAPIError:
                 # After a driver error the transaction state is unknown (SQLITE_FULL rolls back
                 # while the driver believes it is open): never reuse this connection.
                 if not conn.invalidated:
                     conn.invalidate()
                 raise
-
-    def _call_bound(self, conn: Connection) -> AbstractContextManager[None]:
-        """What bounds the calls made on ``conn`` beyond the driver's own limits (a backend
-        whose driver has no read timeout ends them itself)."""
-        return nullcontext()
 
     def transaction(self) -> AbstractContextManager[Connection]:
         return self._txn(self.engine)

@@ -48,7 +48,7 @@ import re
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime
 from typing import Any, cast
 
@@ -397,7 +397,6 @@ class MysqlBackend(ElectedBackend):
                 **read_options,
             )
             self._instrument(self.read_engine, control, limits, autocommit=True)
-            self.autocommit_reads = True
             if pymysql:
                 _ping_when_idle(self.read_engine)
 
@@ -563,6 +562,22 @@ class MysqlBackend(ElectedBackend):
             settings.append(f"ob_trx_timeout = {int(self.fence_timeout * 1_000_000)}")
             info["apsup_bounded"] = True
         return ", ".join(settings)
+
+    def read(self) -> AbstractContextManager[Connection]:
+        if self.read_engine is self.engine:
+            return super().read()
+        return self._autocommit_read()
+
+    @contextmanager
+    def _autocommit_read(self) -> Iterator[Connection]:
+        """A read on the autocommit engine: no BEGIN, no COMMIT, no ROLLBACK on return."""
+        with self.read_engine.connect() as conn:
+            try:
+                yield conn
+            except DBAPIError:
+                if not conn.invalidated:
+                    conn.invalidate()
+                raise
 
     def _bound(self, conn: Connection) -> None:
         """Bound this session's transactions (OceanBase) before the Lease row is locked."""

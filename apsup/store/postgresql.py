@@ -29,7 +29,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime
 from typing import Any
 
@@ -176,7 +176,6 @@ class PostgresqlBackend(ElectedBackend):
             # The host's reads run in autocommit: under READ COMMITTED each statement sees the
             # latest commits anyway, and a read costs one statement instead of three.
             self.read_engine = self._engine(engine_url, connect_args, "AUTOCOMMIT", 2, 4)
-            self.autocommit_reads = True
 
     def _engine(
         self,
@@ -262,7 +261,7 @@ class PostgresqlBackend(ElectedBackend):
 
     # -- calls bounded on the client side -------------------------------------------------------
     @contextmanager
-    def _call_bound(self, conn: Connection) -> Iterator[None]:
+    def _bounded(self, conn: Connection) -> Iterator[None]:
         """The host's calls on ``conn`` end by the read limit or the renew deadline, whichever
         comes first, even when the server does not answer at all."""
         if self._watchdog is None or self.limits is None:
@@ -276,6 +275,27 @@ class PostgresqlBackend(ElectedBackend):
             yield
         finally:
             self._watchdog.disarm(token)
+
+    @contextmanager
+    def _txn(self, engine: Engine) -> Iterator[Connection]:
+        if self._watchdog is not None:
+            self.time_left()  # past the renew deadline: not even a connect
+        with engine.connect() as conn:
+            try:
+                with self._bounded(conn):
+                    if engine is self.read_engine and self.read_engine is not self.engine:
+                        yield conn  # autocommit: no BEGIN, no COMMIT
+                    else:
+                        with conn.begin():
+                            yield conn
+            except DBAPIError:
+                # After a driver error the transaction state is unknown: never reuse it.
+                if not conn.invalidated:
+                    conn.invalidate()
+                raise
+
+    def read(self) -> AbstractContextManager[Connection]:
+        return self._txn(self.read_engine)
 
     # -- dialect hooks ----------------------------------------------------------------------------
     def _db_now(self, conn: Connection) -> datetime:
